@@ -1,0 +1,474 @@
+# cython: language_level=3
+"""The io_uring ring of the I/O core.
+
+Owns one io_uring instance: its queue depth, the staging buffers and slot-file fds it has
+registered, and the submit/reap loop that moves a whole batch of reads, writes or
+fdatasyncs with the GIL released around every blocking kernel call. It never interprets
+bytes (headers and checksums belong to SlotFile) and never holds Python objects inside a
+`nogil` section.
+
+Contract of `submit`: every op of a batch is driven to an end before the call returns:
+a short transfer is resubmitted for its remainder, EAGAIN/EINTR are retried, and any other
+failure becomes that op's negative errno in the result array. Buffers are therefore never
+left referenced by the kernel when the call returns, even when it raises.
+"""
+import logging
+import os
+import warnings
+
+import numpy as np
+cimport numpy as cnp
+
+from cpython.mem cimport PyMem_Malloc, PyMem_Free
+from libc.errno cimport EAGAIN, EINTR, EIO, EBUSY, ENODATA
+from libc.stdint cimport uint64_t, int64_t, uintptr_t, uint32_t, int32_t
+from libc.string cimport memset
+
+from kvstore.includes.uring cimport (
+    __io_uring, __io_uring_sqe, __io_uring_cqe,
+    __io_uring_get_sqe, __io_uring_prep_read, __io_uring_prep_write,
+    __io_uring_prep_read_fixed, __io_uring_prep_write_fixed, __io_uring_prep_fsync,
+    __io_uring_sqe_set_data64, __io_uring_sqe_set_flags,
+    __io_uring_cq_ready, __io_uring_cq_advance,
+    __IOSQE_FIXED_FILE, __IORING_FSYNC_DATASYNC,
+    io_uring, io_uring_queue_init, io_uring_queue_exit, io_uring_submit_and_wait,
+    io_uring_register_buffers, io_uring_unregister_buffers,
+    io_uring_register_files, io_uring_unregister_files, iovec,
+)
+from kvstore._hostbuf cimport HostBuffer
+
+from kvstore.errors import AlignmentError, KVStoreError
+
+cnp.import_array()
+
+log = logging.getLogger("kvstore.ring")
+ALIGN = 4096
+OPNAMES = ("read", "write", "fdatasync")
+_registration_warned = False
+
+
+cdef class Ring:
+    """An io_uring with a fixed queue depth, registered buffers/files and batched I/O.
+
+    Lifecycle (as uvloop's handles): init either completes or leaves nothing open;
+    `close()` is idempotent; a Ring dropped while open releases its fd and warns.
+    Staging memory must come from `HostBuffer`s passed to `register_buffers` (the kernel
+    registration itself may be refused, e.g. by RLIMIT_MEMLOCK: then the same buffers are
+    used unregistered and one log line says so). Not thread-safe: one ring per thread.
+    """
+
+    def __cinit__(self, unsigned int queue_depth=32):
+        self._open = False
+        self._files = NULL
+        self._nfiles = 0
+        self._nbufs = 0
+        self._buffers = []
+        self._fd_names = {}
+        self._bufs_registered = False
+        self._files_registered = False
+        self.fault_injector = None
+        if queue_depth < 1 or queue_depth > 4096:
+            raise ValueError(f"queue_depth must be in 1..4096, got {queue_depth}")
+        self.depth = queue_depth
+        self._ring = io_uring()
+        # A failed init must not be followed by queue_exit (it would close fd 0): on
+        # failure we simply never mark the ring open.
+        io_uring_queue_init(queue_depth, self._ring, 0)
+        self._open = True
+
+    def __dealloc__(self):
+        if self._open:
+            warnings.warn("kvstore Ring dropped while open: closing it; call close()",
+                          ResourceWarning, stacklevel=1)
+            try:
+                io_uring_queue_exit(self._ring)
+            except Exception:
+                pass
+            self._open = False
+        if self._files != NULL:
+            PyMem_Free(self._files)
+            self._files = NULL
+
+    def close(self):
+        """Tear the ring down (idempotent); registered buffers and files are released."""
+        if not self._open:
+            return
+        self._open = False
+        io_uring_queue_exit(self._ring)  # also drops the kernel's buffer/file registrations
+        self._iov = None
+        self._buffers = []
+        self._nbufs = 0
+        self._nfiles = 0
+        if self._files != NULL:
+            PyMem_Free(self._files)
+            self._files = NULL
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return not self._open
+
+    @property
+    def queue_depth(self) -> int:
+        return self.depth
+
+    @property
+    def ring_fd(self) -> int:
+        self._check_open()
+        return self._ring.ring_fd
+
+    @property
+    def buffers_registered(self) -> bool:
+        return self._bufs_registered
+
+    @property
+    def files_registered(self) -> bool:
+        return self._files_registered
+
+    def _check_open(self):
+        if not self._open:
+            raise KVStoreError("operation on a closed Ring")
+
+    def register_buffers(self, buffers):
+        """Make `buffers` (HostBuffers) the ring's I/O memory; register them if allowed.
+
+        Returns True when the kernel registration succeeded (fixed-buffer I/O), False when
+        it was refused and plain buffers are used instead (logged once per process).
+        """
+        global _registration_warned
+        self._check_open()
+        bufs = list(buffers)
+        if len(bufs) > MAX_BUFFERS:
+            raise ValueError(f"at most {MAX_BUFFERS} staging buffers per ring, got {len(bufs)}")
+        for b in bufs:
+            if not isinstance(b, HostBuffer):
+                raise TypeError(f"Ring buffers must be kvstore.HostBuffer, got {type(b).__name__}")
+            if b.closed:
+                raise KVStoreError("cannot register a closed HostBuffer")
+        if self._bufs_registered:
+            io_uring_unregister_buffers(self._ring)
+            self._bufs_registered = False
+            self._iov = None
+        cdef int i
+        cdef HostBuffer hb
+        for i, b in enumerate(bufs):
+            hb = b
+            self._buf_start[i] = <uintptr_t>hb.ptr
+            self._buf_end[i] = <uintptr_t>hb.ptr + hb.nbytes_
+        self._nbufs = len(bufs)
+        self._buffers = bufs
+        if not bufs:
+            return False
+        try:
+            iov = iovec([memoryview(b) for b in bufs])
+            io_uring_register_buffers(self._ring, iov, len(bufs))
+        except (OSError, OverflowError, ValueError) as exc:
+            if not _registration_warned:
+                _registration_warned = True
+                log.warning("io_uring buffer registration refused (%s); using unregistered "
+                            "buffers (raise RLIMIT_MEMLOCK, `ulimit -l`, for fixed buffers)", exc)
+            return False
+        self._iov = iov
+        self._bufs_registered = True
+        return True
+
+    def register_files(self, fds, names=None):
+        """Register slot-file fds (fixed files); `names` (same order) appear in errors."""
+        self._check_open()
+        fds = [int(fd) for fd in fds]
+        if self._files_registered:
+            io_uring_unregister_files(self._ring)
+            self._files_registered = False
+        if self._files != NULL:
+            PyMem_Free(self._files)
+            self._files = NULL
+        self._nfiles = 0
+        if names is not None:
+            self._fd_names.update(zip(fds, names))
+        if not fds:
+            return False
+        self._files = <int *>PyMem_Malloc(sizeof(int) * len(fds))
+        if self._files == NULL:
+            raise MemoryError()
+        for i, fd in enumerate(fds):
+            self._files[i] = fd
+        self._nfiles = len(fds)
+        try:
+            io_uring_register_files(self._ring, fds)
+        except OSError as exc:
+            log.warning("io_uring file registration refused (%s); using plain fds", exc)
+            return False
+        self._files_registered = True
+        return True
+
+    def name_fd(self, int fd, str name):
+        """Name an fd for error messages."""
+        self._fd_names[fd] = name
+
+    cdef int _fill(self, Batch *b) noexcept nogil:
+        """Move queued ops into SQEs while the ring has room and depth allows."""
+        cdef __io_uring_sqe *sqe
+        cdef Op *op
+        cdef Py_ssize_t i
+        cdef unsigned int length
+        cdef int fd
+        while b.qlen > 0 and b.inflight < self.depth:
+            sqe = __io_uring_get_sqe(&self._ring.ptr)
+            if sqe == NULL:
+                break
+            i = b.queue[b.qhead]
+            b.qhead = (b.qhead + 1) % b.n
+            b.qlen -= 1
+            op = &b.ops[i]
+            fd = op.fd if op.fixed_file < 0 else op.fixed_file
+            length = op.remaining
+            if op.forced_short and op.forced_short < length:
+                length = op.forced_short
+                op.forced_short = 0
+            if op.opcode == OP_FSYNC:
+                __io_uring_prep_fsync(sqe, fd, __IORING_FSYNC_DATASYNC)
+            elif op.opcode == OP_READ:
+                if op.fixed_buf >= 0:
+                    __io_uring_prep_read_fixed(sqe, fd, op.addr, length, op.offset, op.fixed_buf)
+                else:
+                    __io_uring_prep_read(sqe, fd, op.addr, length, op.offset)
+            else:
+                if op.fixed_buf >= 0:
+                    __io_uring_prep_write_fixed(sqe, fd, op.addr, length, op.offset, op.fixed_buf)
+                else:
+                    __io_uring_prep_write(sqe, fd, op.addr, length, op.offset)
+            if op.fixed_file >= 0:
+                __io_uring_sqe_set_flags(sqe, __IOSQE_FIXED_FILE)
+            __io_uring_sqe_set_data64(sqe, <uint64_t>i)
+            b.inflight += 1
+        return 0
+
+    cdef Py_ssize_t _reap(self, Batch *b) noexcept nogil:
+        """Consume every ready CQE; requeue short transfers and transient errors."""
+        cdef __io_uring *r = &self._ring.ptr
+        cdef unsigned int ready = __io_uring_cq_ready(r)
+        cdef unsigned int head = r.cq.khead[0]
+        cdef unsigned int mask = r.cq.ring_mask
+        cdef unsigned int k
+        cdef __io_uring_cqe *cqe
+        cdef Op *op
+        cdef Py_ssize_t i
+        cdef int res
+        for k in range(ready):
+            cqe = &r.cq.cqes[(head + k) & mask]
+            i = <Py_ssize_t>cqe.user_data
+            res = cqe.res
+            op = &b.ops[i]
+            b.inflight -= 1
+            if res == -EAGAIN or res == -EINTR:
+                self._requeue(b, i)
+            elif res < 0:
+                op.result = res
+                op.finished = 1
+                b.completed += 1
+            elif op.opcode == OP_FSYNC or <unsigned int>res >= op.remaining:
+                op.done += res
+                op.result = op.done
+                op.finished = 1
+                b.completed += 1
+            elif res == 0:
+                # No progress: end of file on a read, or the device refusing a write.
+                op.result = -(ENODATA if op.opcode == OP_READ else EIO)
+                op.finished = 1
+                b.completed += 1
+            else:
+                op.done += res
+                op.addr += res
+                op.offset += <unsigned int>res
+                op.remaining -= <unsigned int>res
+                self._requeue(b, i)
+        if ready:
+            __io_uring_cq_advance(r, ready)
+        return ready
+
+    cdef void _requeue(self, Batch *b, Py_ssize_t i) noexcept nogil:
+        b.queue[(b.qhead + b.qlen) % b.n] = i
+        b.qlen += 1
+
+    cdef int _pump(self, Batch *b) except -1:
+        """Drive the batch to completion; kernel waits happen without the GIL."""
+        cdef int ret
+        while b.completed < b.n:
+            with nogil:
+                self._fill(b)
+            try:
+                with nogil:
+                    io_uring_submit_and_wait(self._ring, 1)
+            except OSError as exc:
+                if exc.errno not in (EINTR, EAGAIN, EBUSY):
+                    raise
+            with nogil:
+                self._reap(b)
+        return 0
+
+    def submit(self, int opcode, fds, offsets, addrs, lengths, *, bint check=True):
+        """Run one batch: op `opcode` (0 read, 1 write, 2 fdatasync) on parallel arrays.
+
+        Returns an int64 array: bytes transferred per op, or -errno. Every buffer range is
+        checked (inside a registered HostBuffer, 4096-aligned) before anything is submitted.
+        """
+        self._check_open()
+        if opcode not in (OP_READ, OP_WRITE, OP_FSYNC):
+            raise ValueError(f"unknown opcode {opcode}")
+        cdef cnp.ndarray[int32_t, ndim=1] a_fd = np.ascontiguousarray(fds, dtype=np.int32)
+        cdef Py_ssize_t n = a_fd.shape[0]
+        cdef cnp.ndarray[uint64_t, ndim=1] a_off = np.ascontiguousarray(
+            offsets if offsets is not None else np.zeros(n, np.uint64), dtype=np.uint64)
+        cdef cnp.ndarray[uint64_t, ndim=1] a_addr = np.ascontiguousarray(
+            addrs if addrs is not None else np.zeros(n, np.uint64), dtype=np.uint64)
+        cdef cnp.ndarray[uint32_t, ndim=1] a_len = np.ascontiguousarray(
+            lengths if lengths is not None else np.zeros(n, np.uint32), dtype=np.uint32)
+        if a_off.shape[0] != n or a_addr.shape[0] != n or a_len.shape[0] != n:
+            raise ValueError("fds, offsets, addrs and lengths must have the same length")
+        cdef cnp.ndarray[int64_t, ndim=1] out = np.zeros(n, dtype=np.int64)
+        if n == 0:
+            return out
+        cdef Batch b
+        memset(&b, 0, sizeof(Batch))
+        b.ops = <Op *>PyMem_Malloc(sizeof(Op) * n)
+        b.queue = <Py_ssize_t *>PyMem_Malloc(sizeof(Py_ssize_t) * n)
+        if b.ops == NULL or b.queue == NULL:
+            PyMem_Free(b.ops)
+            PyMem_Free(b.queue)
+            raise MemoryError()
+        cdef Py_ssize_t i
+        cdef int j
+        cdef uintptr_t addr
+        cdef uint64_t length
+        try:
+            memset(b.ops, 0, sizeof(Op) * n)
+            b.n = n
+            for i in range(n):
+                b.ops[i].opcode = opcode
+                b.ops[i].fd = a_fd[i]
+                b.ops[i].fixed_file = -1
+                b.ops[i].fixed_buf = -1
+                if self._files_registered:
+                    for j in range(self._nfiles):
+                        if self._files[j] == a_fd[i]:
+                            b.ops[i].fixed_file = j
+                            break
+                if opcode != OP_FSYNC:
+                    addr = <uintptr_t>a_addr[i]
+                    length = a_len[i]
+                    if check:
+                        self._check_op(opcode, a_fd[i], a_off[i], addr, length)
+                    for j in range(self._nbufs):
+                        if self._buf_start[j] <= addr and addr + length <= self._buf_end[j]:
+                            if self._bufs_registered:
+                                b.ops[i].fixed_buf = j
+                            break
+                    b.ops[i].addr = <char *>addr
+                    b.ops[i].remaining = <unsigned int>length
+                    b.ops[i].offset = a_off[i]
+                b.queue[i] = i
+            b.qlen = n
+            if self.fault_injector is not None:
+                self._inject(&b, opcode, a_fd, a_off, a_len)
+            self._pump(&b)
+            for i in range(n):
+                out[i] = b.ops[i].result
+        finally:
+            if b.inflight > 0:
+                # An unexpected failure while the kernel still owns buffers: tear the
+                # ring down, which cancels and waits for every in-flight request.
+                self.close()
+            PyMem_Free(b.ops)
+            PyMem_Free(b.queue)
+        return out
+
+    cdef _check_op(self, int opcode, int fd, uint64_t offset, uintptr_t addr, uint64_t length):
+        what = f"{OPNAMES[opcode]} of {self._fd_names.get(fd, f'fd {fd}')}"
+        if length == 0 or length % ALIGN or offset % ALIGN or addr % ALIGN:
+            from kvstore._hostbuf import check_io_alignment
+            check_io_alignment(addr, length, offset, ALIGN, what)
+        if length > 0x7ffff000:
+            raise AlignmentError(f"{what} refused: length {length} exceeds one I/O's limit")
+        cdef int j
+        for j in range(self._nbufs):
+            if self._buf_start[j] <= addr and addr + length <= self._buf_end[j]:
+                return
+        raise AlignmentError(
+            f"{what} refused before submission: buffer range [0x{addr:x}, +{length}) at "
+            f"file offset {offset} is not inside any staging HostBuffer registered with "
+            "this ring (call Ring.register_buffers with the HostBuffer first)")
+
+    cdef _inject(self, Batch *b, int opcode, fds, offsets, lengths):
+        """Test seam: let `fault_injector` fail or shorten chosen ops before submission."""
+        faults = self.fault_injector(OPNAMES[opcode], fds, offsets, lengths)
+        cdef Py_ssize_t i, w, keep
+        cdef Py_ssize_t n = b.n
+        if not faults:
+            return
+        dropped = set()
+        for i, kind, value in faults:
+            if kind == "error":
+                b.ops[i].result = -abs(int(value))
+                b.ops[i].finished = 1
+                b.completed += 1
+                dropped.add(i)
+            elif kind == "short":
+                b.ops[i].forced_short = int(value)
+            else:
+                raise ValueError(f"unknown fault kind {kind!r}")
+        if dropped:
+            w = 0
+            for i in range(n):
+                if i not in dropped:
+                    b.queue[w] = i
+                    w += 1
+            b.qlen = w
+
+    def raise_for_results(self, int opcode, results, fds, offsets, lengths=None):
+        """Raise OSError for the first failed op, naming the operation, file and offset."""
+        res = np.asarray(results)
+        bad = np.flatnonzero(res < 0)
+        if bad.size == 0:
+            return
+        i = int(bad[0])
+        err = int(-res[i])
+        fd = int(np.asarray(fds)[i])
+        name = self._fd_names.get(fd, f"fd {fd}")
+        off = int(np.asarray(offsets)[i]) if offsets is not None else 0
+        extra = f" ({bad.size} of {res.size} ops failed)" if bad.size > 1 else ""
+        raise OSError(err, f"io_uring {OPNAMES[opcode]} at offset {off} failed: "
+                      f"{os.strerror(err)}{extra}", name)
+
+    def read(self, ops):
+        """Read a list of (fd, offset, address, length) and raise OSError on any failure."""
+        return self._simple(OP_READ, ops)
+
+    def write(self, ops):
+        """Write a list of (fd, offset, address, length) and raise OSError on any failure."""
+        return self._simple(OP_WRITE, ops)
+
+    def fdatasync(self, fds):
+        """fdatasync every fd through the ring, in one batch."""
+        fds = list(fds)
+        res = self.submit(OP_FSYNC, fds, None, None, None)
+        self.raise_for_results(OP_FSYNC, res, fds, None)
+
+    def _simple(self, int opcode, ops):
+        ops = list(ops)
+        fds = [o[0] for o in ops]
+        offs = [o[1] for o in ops]
+        res = self.submit(opcode, fds, offs, [o[2] for o in ops], [o[3] for o in ops])
+        self.raise_for_results(opcode, res, fds, offs)
+        return res
+
+    def __repr__(self):
+        if not self._open:
+            return "Ring(closed)"
+        return (f"Ring(queue_depth={self.depth}, buffers={self._nbufs}"
+                f"{' registered' if self._bufs_registered else ''}, files={self._nfiles}"
+                f"{' registered' if self._files_registered else ''})")
