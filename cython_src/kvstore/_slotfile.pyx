@@ -174,6 +174,13 @@ cdef class SlotFile:
             fd = os.open(path, flags, 0o600)
         except OSError as exc:
             if exc.errno == 22 and direct:
+                if create:
+                    # Some filesystems (ramfs) create the inode before refusing O_DIRECT;
+                    # O_EXCL guarantees it is ours, so leave nothing behind.
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
                 raise KVStoreError(_direct_refused_message(path)) from exc
             if exc.errno == 40:  # ELOOP: O_NOFOLLOW met a symlink
                 raise KVStoreError(f"refusing to open slot file {path}: it is a symlink") from exc

@@ -1,0 +1,161 @@
+"""Benchmark of the LMDB index (`kvstore bench index`): prefix walks, lookups, commits, size,
+open time, at a few index sizes. Touches only a scratch directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from kvstore.index import Index
+
+DEFAULT_ENTRIES = [100_000, 1_000_000, 10_000_000]
+CHAIN = 1000
+PREFIX_REPS = 200
+LOOKUPS = 100_000
+COMMIT_REPS = 21
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _keys(n: int, seed: int = 0) -> np.ndarray:
+    """n 32-byte keys, ascending: 8-byte big-endian index + 24 random bytes (hash-like
+    width and spread, ordered so the build can use LMDB append mode)."""
+    arr = np.random.default_rng(seed).integers(0, 256, size=(n, 32), dtype=np.uint8)
+    arr[:, :8] = np.arange(n, dtype=">u8").view(np.uint8).reshape(n, 8)
+    return arr
+
+
+def _build(path: str, n: int, keys: np.ndarray) -> float:
+    t0 = time.perf_counter()
+    ix = Index(path, n, create=True, sync=False, map_size=max(1 << 30, n * 600))
+    buf = keys.tobytes()
+    ix.bulk_load(((buf[i * 32:(i + 1) * 32], i, i + 1) for i in range(n)),
+                 keys_sorted=True, batch=500_000)
+    ix.close()
+    return time.perf_counter() - t0
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def _open_in_new_process(path: str) -> tuple[float, float]:
+    code = ("import time; t0 = time.perf_counter(); from kvstore.index import Index; "
+            "ix = Index(%r, readonly=True); s = ix.stats(); ix.close(); "
+            "print(time.perf_counter() - t0)" % path)
+    env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, check=True).stdout
+    return float(out.strip()), time.perf_counter() - t0
+
+
+def _one(n: int, root: str) -> dict:
+    path = os.path.join(root, f"index-{n}")
+    keys = _keys(n)
+    build_s = _build(path, n, keys)
+    buf = keys.tobytes()
+    key = lambda i: buf[i * 32:(i + 1) * 32]  # noqa: E731
+    rng = np.random.default_rng(1)
+
+    ix = Index(path, sync=True)
+    chains = [[key(int(i)) for i in rng.integers(0, n, CHAIN)] for _ in range(PREFIX_REPS)]
+    for c in chains[:5]:
+        assert len(ix.longest_prefix(c)) == CHAIN
+    times = []
+    for c in chains:
+        t0 = time.perf_counter()
+        ix.longest_prefix(c)
+        times.append((time.perf_counter() - t0) * 1e3)
+
+    probe = [key(int(i)) for i in rng.integers(0, n, LOOKUPS)]
+    t0 = time.perf_counter()
+    for p in probe:
+        ix.lookup(p)
+    lookups_per_s = LOOKUPS / (time.perf_counter() - t0)
+
+    # full capacity (built with capacity == n): every reservation evicts
+    reserve_ms, commit_ms, total_ms = [], [], []
+    for r in range(COMMIT_REPS):
+        new = [b"new-%02d-%06d" % (r, i) + b"\x00" * 18 for i in range(CHAIN)]
+        t0 = time.perf_counter()
+        items, evicted = ix.reserve(new)
+        t1 = time.perf_counter()
+        ix.commit(items)
+        t2 = time.perf_counter()
+        assert len(evicted) == CHAIN
+        reserve_ms.append((t1 - t0) * 1e3)
+        commit_ms.append((t2 - t1) * 1e3)
+        total_ms.append((t2 - t0) * 1e3)
+    touch_ms = []
+    for c in chains[:COMMIT_REPS]:
+        t0 = time.perf_counter()
+        ix.touch(c)
+        touch_ms.append((time.perf_counter() - t0) * 1e3)
+    ix.close()
+
+    open_s, open_process_s = _open_in_new_process(path)
+    return {
+        "entries": n,
+        "prefix1000_p50_ms": round(statistics.median(times), 3),
+        "prefix1000_p99_ms": round(_pct(times, 99), 3),
+        "lookups_per_s": round(lookups_per_s),
+        "commit1000_ms": round(statistics.median(total_ms), 3),
+        "reserve1000_ms": round(statistics.median(reserve_ms), 3),
+        "commit_only1000_ms": round(statistics.median(commit_ms), 3),
+        "touch1000_ms": round(statistics.median(touch_ms), 3),
+        "bytes_per_entry": round(os.path.getsize(os.path.join(path, "data.mdb")) / n, 1),
+        "open_s": round(open_s, 4),
+        "open_process_s": round(open_process_s, 4),
+        "build_s": round(build_s, 2),
+    }
+
+
+_COLS = [("entries", "entries", "{:>10}"), ("prefix1000_p50_ms", "pfx p50 ms", "{:>10.3f}"),
+         ("prefix1000_p99_ms", "pfx p99 ms", "{:>10.3f}"), ("lookups_per_s", "lookups/s", "{:>10}"),
+         ("commit1000_ms", "rsv+cmt ms", "{:>10.2f}"), ("touch1000_ms", "touch ms", "{:>9.2f}"),
+         ("bytes_per_entry", "B/entry", "{:>8.1f}"), ("open_s", "open s", "{:>7.3f}"),
+         ("build_s", "build s", "{:>8.1f}")]
+
+
+def run(entries: list[int] | None = None, json_out: bool = False, tmpdir: str | None = None
+        ) -> dict:
+    """Build an index per size in `entries`, measure, print a table (or JSON), return
+    {"results": [...]}. Scratch indexes go under tmpdir (default: a temp dir) and are removed."""
+    entries = list(entries or DEFAULT_ENTRIES)
+    root = tempfile.mkdtemp(prefix="kvstore-index-bench-", dir=tmpdir)
+    results = []
+    try:
+        if not json_out:
+            print("  ".join(h.rjust(len(fmt.format(0))) for _, h, fmt in _COLS), flush=True)
+        for n in entries:
+            res = _one(n, root)
+            results.append(res)
+            shutil.rmtree(os.path.join(root, f"index-{n}"), ignore_errors=True)
+            if not json_out:
+                print("  ".join(fmt.format(res[k]) for k, _, fmt in _COLS), flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    out = {"results": results}
+    if json_out:
+        print(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("entries", nargs="*", type=int)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--tmpdir")
+    a = ap.parse_args()
+    run(a.entries or None, a.json, a.tmpdir)

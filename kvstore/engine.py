@@ -1,0 +1,585 @@
+"""DiskStore: the public Python API of a kvstore store.
+
+Owns the store directory (fingerprint, writer lock, index, per-rank slot files) and the
+protocols that keep them consistent: data is written and made durable (fdatasync through
+the ring) before the index commits a key; every read verifies key, generation and
+checksums before bytes are handed out; reservations that never committed are reclaimed
+on the next writer open. The vLLM connector, the CLI tools and the tests all go through
+this module. It never imports vLLM.
+
+Two objects:
+- `DiskStore`: the index side (longest prefix, pins, reservations, commits, LRU, stats)
+  plus, for tools and tests, a convenience data path over every rank.
+- `RankIO`: one rank's slot files, ring and staging memory; moves slot images between
+  staging memory and disk in batches. vLLM workers use only this (they never open LMDB).
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import stat
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from kvstore import _slotfile
+from kvstore._hostbuf import HostBuffer
+from kvstore._ring import Ring
+from kvstore._slotfile import HEADER_SIZE, SlotFile
+from kvstore.errors import (
+    ConfigError, CorruptSlot, KVStoreError, StoreLocked, StoreNotFound,
+)
+from kvstore.index import Entry, Index
+from kvstore.layout import (
+    Layout, StoreGeometry, check_layout, format_size, parse_size, read_fingerprint,
+    write_fingerprint,
+)
+
+log = logging.getLogger("kvstore.engine")
+
+IO_MODES = ("direct", "page_cache")
+VERIFY_MODES = ("checksum", "header")
+OP_READ, OP_WRITE = 0, 1
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not valid; choose one of {', '.join(choices)}")
+
+
+def _safe_mkdir(path: str) -> None:
+    """mkdir 0700, refusing a path that exists as a symlink or a non-directory."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        _check_dir(path)
+
+
+def _check_dir(path: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise StoreNotFound(f"{path} does not exist") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise KVStoreError(f"refusing {path}: it is a symlink (kvstore never follows symlinks "
+                           "inside a store; use the real path)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise KVStoreError(f"{path} is not a directory")
+
+
+def rank_dir(store_dir: str, rank: int) -> str:
+    return os.path.join(store_dir, f"rank{rank}")
+
+
+def slot_file_path(store_dir: str, rank: int, file_index: int) -> str:
+    return os.path.join(rank_dir(store_dir, rank), f"slots-{file_index:04d}.kvs")
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    """One block's place on disk: what a worker needs to write or read it."""
+
+    key: bytes
+    slot: int
+    generation: int
+
+
+class WriterLock:
+    """flock on STORE/LOCK; the holder's pid is written into the file for messages."""
+
+    def __init__(self, store_dir: str):
+        self.path = os.path.join(store_dir, "LOCK")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = self.holder(store_dir)
+            os.close(fd)
+            raise StoreLocked(
+                f"store {store_dir} is in use by another writer (pid {pid}); stop that process, "
+                "or open the store read-only (kvstore info/fsck do)", pid=pid) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    @staticmethod
+    def holder(store_dir: str) -> int | None:
+        """pid of the current writer, or None when nobody holds the lock."""
+        path = os.path.join(store_dir, "LOCK")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raw = os.pread(fd, 32, 0).strip()
+                return int(raw) if raw.isdigit() else -1
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
+
+    def release(self):
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the flock
+            self.fd = None
+
+
+class RankIO:
+    """One rank's slot files, io_uring ring and staging memory.
+
+    Moves slot images (header + payload) between staging memory and disk in batches of
+    at most `staging_slots` slots. Writes are made durable with one batched fdatasync
+    through the ring before `write_blocks` returns success, so the caller may commit.
+    Reads verify each slot against (key, slot, generation) and, with verify='checksum',
+    the payload checksum; a bad slot is reported per block, never handed to the caller.
+    """
+
+    def __init__(self, store_dir: str, rank: int = 0, *, layout: Layout | None = None,
+                 io_mode: str = "direct", queue_depth: int = 32, staging_bytes: int = 64 << 20,
+                 readonly: bool = False, staging: HostBuffer | None = None):
+        _check_choice("io_mode", io_mode, IO_MODES)
+        stored, geo, _ = read_fingerprint(store_dir)
+        if layout is not None:
+            check_layout(store_dir, stored, layout)
+        if not 0 <= rank < stored.tp_size:
+            raise ConfigError(f"rank {rank} out of range: store has tp_size={stored.tp_size}")
+        self.store_dir = store_dir
+        self.rank = rank
+        self.layout = stored
+        self.geometry = geo
+        self.payload_len = stored.block_bytes
+        self.slot_size = geo.slot_size
+        self.files: list[SlotFile] = []
+        self.ring = None
+        self._own_staging = staging is None
+        self.staging = None
+        try:
+            _check_dir(rank_dir(store_dir, rank))
+            for i in range(geo.num_files):
+                self.files.append(SlotFile(slot_file_path(store_dir, rank, i), geo.slot_size,
+                                           geo.file_slots(i), direct=(io_mode == "direct"),
+                                           readonly=readonly))
+            if staging is None:
+                n = max(1, staging_bytes // geo.slot_size)
+                staging = HostBuffer(n * geo.slot_size)
+            self.staging = staging
+            self.staging_slots = staging.nbytes // geo.slot_size
+            if self.staging_slots < 1:
+                raise ConfigError(f"staging memory of {staging.nbytes} bytes holds no slot of {geo.slot_size}")
+            self.ring = Ring(queue_depth)
+            self.ring.register_buffers([staging])
+            self.ring.register_files([f.fd for f in self.files], [f.path for f in self.files])
+        except BaseException:
+            self.close()
+            raise
+        self._fds = np.array([f.fd for f in self.files], dtype=np.int32)
+        self._stage_np = staging.numpy()
+
+    def close(self):
+        """Close ring, files and owned staging memory (idempotent)."""
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        for f in self.files:
+            f.close()
+        self.files = []
+        if self.staging is not None:
+            self._stage_np = None
+            if self._own_staging:
+                self.staging.close()
+            self.staging = None
+
+    @property
+    def closed(self) -> bool:
+        return self.ring is None
+
+    def _check_open(self):
+        if self.ring is None:
+            raise KVStoreError(f"RankIO for rank {self.rank} of {self.store_dir} is closed")
+
+    def payload_view(self, i: int) -> np.ndarray:
+        """Staging payload area of staging slot i (uint8, block_bytes long)."""
+        base = i * self.slot_size + HEADER_SIZE
+        return self._stage_np[base:base + self.payload_len]
+
+    def slot_view(self, i: int) -> np.ndarray:
+        base = i * self.slot_size
+        return self._stage_np[base:base + self.slot_size]
+
+    def _locate(self, slots: Sequence[int]):
+        s = np.asarray(slots, dtype=np.int64)
+        if s.size and (s.min() < 0 or s.max() >= self.geometry.num_slots):
+            raise KVStoreError(f"slot out of range 0..{self.geometry.num_slots - 1}: {s.min()}..{s.max()}")
+        fidx = s // self.geometry.slots_per_file
+        offs = (s % self.geometry.slots_per_file) * self.slot_size
+        return self._fds[fidx], offs.astype(np.uint64)
+
+    def _submit(self, opcode, refs, first: int):
+        fds, offs = self._locate([r.slot for r in refs])
+        n = len(refs)
+        addrs = self.staging.address + (np.arange(first, first + n, dtype=np.uint64) * np.uint64(self.slot_size))
+        lens = np.full(n, self.slot_size, dtype=np.uint32)
+        return self.ring.submit(opcode, fds, offs, addrs, lens), fds, offs
+
+    def _error(self, opcode, res, fd, off, ref):
+        name = {int(f.fd): f.path for f in self.files}.get(int(fd), f"fd {fd}")
+        op = "write" if opcode == OP_WRITE else "read"
+        return OSError(-int(res), f"{op} of slot {ref.slot} (offset {int(off)}) failed: "
+                       f"{os.strerror(-int(res))}", name)
+
+    def write_blocks(self, refs: Sequence[SlotRef], fill: Callable[[int, int, list[np.ndarray]], None],
+                     *, durable: bool = True) -> list[Exception | None]:
+        """Write blocks: `fill(start, stop, views)` puts payloads of refs[start:stop] into views.
+
+        Returns one entry per ref: None when the slot is written (and durable), else the
+        error. Chunks of at most `staging_slots` go through staging memory.
+        """
+        self._check_open()
+        errors: list[Exception | None] = [None] * len(refs)
+        step = self.staging_slots
+        for start in range(0, len(refs), step):
+            chunk = refs[start:start + step]
+            views = [self.payload_view(i) for i in range(len(chunk))]
+            fill(start, start + len(chunk), views)
+            for i, ref in enumerate(chunk):
+                _slotfile.encode_header(self.slot_view(i)[:HEADER_SIZE], ref.key, ref.slot,
+                                        ref.generation, self.payload_len,
+                                        _slotfile.payload_checksum(views[i]))
+            res, fds, offs = self._submit(OP_WRITE, chunk, 0)
+            for i in np.flatnonzero(res < 0):
+                errors[start + i] = self._error(OP_WRITE, res[i], fds[i], offs[i], chunk[i])
+            if durable:
+                touched = sorted({int(fds[i]) for i in range(len(chunk)) if res[i] >= 0})
+                if touched:
+                    sres = self.ring.submit(2, touched, None, None, None)
+                    if (sres < 0).any():
+                        bad = {touched[i]: int(sres[i]) for i in np.flatnonzero(sres < 0)}
+                        for i in range(len(chunk)):
+                            if errors[start + i] is None and int(fds[i]) in bad:
+                                errors[start + i] = OSError(-bad[int(fds[i])], "fdatasync failed: "
+                                                            + os.strerror(-bad[int(fds[i])]))
+        return errors
+
+    def read_blocks(self, refs: Sequence[SlotRef], drain: Callable[[int, int, list[np.ndarray], list], None],
+                    *, verify: str = "checksum") -> list[Exception | None]:
+        """Read and verify blocks; `drain(start, stop, views, errors)` consumes the payloads.
+
+        `errors[i]` (for refs[start + i]) is None for a verified block and the error
+        otherwise; drain must not use the view of a failed block.
+        """
+        self._check_open()
+        _check_choice("verify", verify, VERIFY_MODES)
+        check_payload = verify == "checksum"
+        errors: list[Exception | None] = [None] * len(refs)
+        step = self.staging_slots
+        for start in range(0, len(refs), step):
+            chunk = refs[start:start + step]
+            res, fds, offs = self._submit(OP_READ, chunk, 0)
+            chunk_errors: list[Exception | None] = []
+            for i, ref in enumerate(chunk):
+                if res[i] < 0:
+                    err = self._error(OP_READ, res[i], fds[i], offs[i], ref)
+                else:
+                    try:
+                        _slotfile.verify_slot(self.slot_view(i), ref.key, ref.slot, ref.generation,
+                                              self.payload_len, check_payload)
+                        err = None
+                    except CorruptSlot as exc:
+                        err = exc
+                chunk_errors.append(err)
+                errors[start + i] = err
+            views = [self.payload_view(i) for i in range(len(chunk))]
+            drain(start, start + len(chunk), views, chunk_errors)
+        return errors
+
+    def read_headers(self, slots: Sequence[int]) -> list:
+        """Read slot headers only (for fsck): SlotHeader, or the exception, per slot."""
+        self._check_open()
+        out = []
+        # A header is the first 4096 bytes; read whole slots only when needed (fsck --deep).
+        step = self.staging.nbytes // HEADER_SIZE
+        for start in range(0, len(slots), step):
+            chunk = list(slots[start:start + step])
+            fds, offs = self._locate(chunk)
+            n = len(chunk)
+            addrs = self.staging.address + np.arange(n, dtype=np.uint64) * np.uint64(HEADER_SIZE)
+            res = self.ring.submit(OP_READ, fds, offs, addrs, np.full(n, HEADER_SIZE, np.uint32))
+            for i, s in enumerate(chunk):
+                if res[i] < 0:
+                    out.append(OSError(-int(res[i]), os.strerror(-int(res[i]))))
+                    continue
+                try:
+                    out.append(_slotfile.decode_header(self._stage_np[i * HEADER_SIZE:(i + 1) * HEADER_SIZE], s))
+                except CorruptSlot as exc:
+                    out.append(exc)
+        return out
+
+
+class DiskStore:
+    """A kvstore store: directory, index and (optionally) every rank's data path.
+
+    `DiskStore.create(path, layout, capacity)` makes a new store; `DiskStore(path, layout)`
+    opens one and refuses it with LayoutMismatch naming the differing field. Exactly one
+    writer (flock on LOCK; a second gets StoreLocked with the holder's pid) and any number
+    of `readonly=True` openers. With `io=True` the store also opens a RankIO per rank so
+    that `put`/`get` work (tools, tests, benchmarks); the vLLM scheduler uses io=False and
+    its workers use RankIO directly.
+
+    Pins are in memory (a Counter of slot -> pin count): eviction never takes a pinned
+    slot, and pins die with the process, as they must.
+    """
+
+    def __init__(self, path: str, layout: Layout | None = None, *, readonly: bool = False,
+                 io: bool = False, io_mode: str = "direct", queue_depth: int = 32,
+                 staging_bytes: int = 64 << 20, sync: bool = True):
+        _check_choice("io_mode", io_mode, IO_MODES)
+        self.path = os.path.abspath(path)
+        self.readonly = readonly
+        self._lock = None
+        self.index = None
+        self.ranks: list[RankIO] = []
+        self._pins: Counter = Counter()
+        _check_dir(self.path)
+        self.layout, self.geometry, self.fingerprint = read_fingerprint(self.path)
+        if layout is not None:
+            check_layout(self.path, self.layout, layout)
+        try:
+            if not readonly:
+                self._lock = WriterLock(self.path)
+            idx = os.path.join(self.path, "index")
+            if not os.path.isdir(idx):
+                from kvstore.errors import CorruptIndex
+                raise CorruptIndex(f"store {self.path} has no index/ directory; rebuild it from the "
+                                   "slot headers with `kvstore fsck --rebuild-index`")
+            self.index = Index(idx, self.geometry.num_slots, readonly=readonly, sync=sync)
+            if not readonly:
+                reclaimed = self.index.reclaim_reserved()
+                if reclaimed:
+                    log.info("reclaimed %d slots reserved by a previous run that never committed", reclaimed)
+            if io:
+                for r in range(self.layout.tp_size):
+                    self.ranks.append(RankIO(self.path, r, io_mode=io_mode, queue_depth=queue_depth,
+                                             staging_bytes=staging_bytes, readonly=readonly))
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def create(cls, path: str, layout: Layout, capacity, *, exist_ok: bool = False, **kw) -> "DiskStore":
+        """Create a store of `capacity` bytes (int or '500G') for `layout`, then open it."""
+        capacity_bytes = parse_size(capacity)
+        geo = StoreGeometry.for_capacity(capacity_bytes, layout)
+        path = os.path.abspath(path)
+        if os.path.lexists(os.path.join(path, "kvstore.json")):
+            if not exist_ok:
+                raise KVStoreError(f"a store already exists at {path}; open it instead")
+            return cls(path, layout, **kw)
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent):
+            raise StoreNotFound(f"parent directory {parent} does not exist")
+        _safe_mkdir(path)
+        need = geo.num_slots * geo.slot_size * layout.tp_size
+        free = shutil.disk_usage(path).free
+        if need > free:
+            raise KVStoreError(
+                f"capacity {format_size(need)} is larger than the free space on {path} "
+                f"({format_size(free)}); choose a capacity below {format_size(free)}")
+        lock = WriterLock(path)
+        created = []
+        try:
+            for r in range(layout.tp_size):
+                _safe_mkdir(rank_dir(path, r))
+                for i in range(geo.num_files):
+                    p = slot_file_path(path, r, i)
+                    SlotFile(p, geo.slot_size, geo.file_slots(i),
+                             direct=kw.get("io_mode", "direct") == "direct", create=True).close()
+                    created.append(p)
+            Index(os.path.join(path, "index"), geo.num_slots, create=True).close()
+            # The fingerprint is written last: a store without it is not a store, so a
+            # crash during creation leaves nothing that could be opened half-made.
+            write_fingerprint(path, layout, geo, capacity_bytes)
+        except BaseException:
+            for p in created:
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+            lock.release()
+            raise
+        lock.release()
+        return cls(path, layout, **kw)
+
+    # -- lifecycle -------------------------------------------------------------------
+    def close(self) -> None:
+        """Close ranks, index and lock (idempotent). Pins are dropped."""
+        for r in self.ranks:
+            r.close()
+        self.ranks = []
+        if self.index is not None:
+            self.index.close()
+            self.index = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        self._pins.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.index is None
+
+    def _idx(self) -> Index:
+        if self.index is None:
+            raise KVStoreError(f"store {self.path} is closed")
+        return self.index
+
+    def _writable(self) -> Index:
+        idx = self._idx()
+        if self.readonly:
+            raise KVStoreError(f"store {self.path} is open read-only")
+        return idx
+
+    # -- index side (no I/O) ---------------------------------------------------------
+    def longest_prefix(self, keys: Sequence[bytes]) -> list[Entry]:
+        """Entries of the longest run of `keys` (from the first) that is cached."""
+        return self._idx().longest_prefix(keys)
+
+    def lookup(self, key: bytes) -> Entry | None:
+        return self._idx().lookup(key)
+
+    def pin(self, slots: Iterable[int]) -> None:
+        """Protect slots from eviction until unpinned (counted: pin twice, unpin twice)."""
+        self._pins.update(slots)
+
+    def unpin(self, slots: Iterable[int]) -> None:
+        for s in slots:
+            c = self._pins.get(s, 0)
+            if c <= 1:
+                self._pins.pop(s, None)
+            else:
+                self._pins[s] = c - 1
+
+    @property
+    def pinned_slots(self) -> int:
+        return len(self._pins)
+
+    def reserve(self, keys: Sequence[bytes]) -> tuple[list[SlotRef], list[Entry]]:
+        """Reserve one slot per new key, evicting LRU unpinned entries; StoreFull if impossible."""
+        items, evicted = self._writable().reserve(list(keys), self._pins.keys())
+        return [SlotRef(k, s, g) for k, s, g in items], evicted
+
+    def commit(self, refs: Sequence[SlotRef]) -> None:
+        """Point keys at their (durably written) slots, in one transaction."""
+        self._writable().commit([(r.key, r.slot, r.generation) for r in refs])
+
+    def abort(self, refs: Sequence[SlotRef]) -> None:
+        """Give reserved slots back (the write failed or was cancelled)."""
+        self._writable().abort([(r.key, r.slot, r.generation) for r in refs])
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark a hit prefix most recently used."""
+        if keys:
+            self._writable().touch(list(keys))
+
+    def drop(self, keys: Sequence[bytes]) -> list[Entry]:
+        """Remove entries (e.g. a slot that failed verification); their slots become free."""
+        return self._writable().drop(list(keys))
+
+    def count_hits(self, hits: int, misses: int) -> None:
+        if not self.readonly:
+            self._idx().count_hits(hits, misses)
+
+    def stats(self) -> dict:
+        s = dict(self._idx().stats())
+        s["pinned_slots"] = len(self._pins)
+        s["slot_size"] = self.geometry.slot_size
+        s["tp_size"] = self.layout.tp_size
+        return s
+
+    # -- data path over every rank (tools, tests, benchmarks) -------------------------
+    def _rank_io(self) -> list[RankIO]:
+        if not self.ranks:
+            raise KVStoreError("this DiskStore was opened without io=True; no data path")
+        return self.ranks
+
+    def put(self, keys: Sequence[bytes], payloads: Callable[[int, int], np.ndarray | bytes]) -> list[bytes]:
+        """Store blocks: payloads(i, rank) gives key i's bytes for that rank. Returns keys stored.
+
+        Keys already present are skipped. Reserve -> write every rank -> fdatasync -> commit;
+        a block whose write failed on any rank is aborted, never committed.
+        """
+        idx = self._writable()
+        new = [k for k in dict.fromkeys(keys) if idx.lookup(k) is None]
+        if not new:
+            return []
+        refs, _ = self.reserve(new)
+        failed: set[int] = set()
+        pos = {k: i for i, k in enumerate(keys)}
+        try:
+            for rio in self._rank_io():
+                def fill(start, stop, views, rank=rio.rank):
+                    for j, v in enumerate(views):
+                        v[:] = np.frombuffer(payloads(pos[refs[start + j].key], rank), dtype=np.uint8)
+                errs = rio.write_blocks(refs, fill)
+                failed.update(i for i, e in enumerate(errs) if e is not None)
+        except BaseException:
+            self.abort(refs)
+            raise
+        good = [r for i, r in enumerate(refs) if i not in failed]
+        bad = [r for i, r in enumerate(refs) if i in failed]
+        if bad:
+            self.abort(bad)
+        self.commit(good)
+        return [r.key for r in good]
+
+    def get(self, keys: Sequence[bytes], *, verify: str = "checksum", rank: int | None = None,
+            touch: bool = True) -> dict:
+        """Read the longest cached prefix of `keys`: {key: [bytes per rank]} for verified blocks.
+
+        A block that fails verification is dropped from the index and left out (with every
+        block after it, since a prefix stops at its first hole).
+        """
+        entries = self.longest_prefix(keys)
+        if not entries:
+            self.count_hits(0, 1)
+            return {}
+        refs = [SlotRef(e.key, e.slot, e.generation) for e in entries]
+        self.pin(r.slot for r in refs)
+        out: dict[bytes, list] = {r.key: [] for r in refs}
+        bad: set[int] = set()
+        try:
+            for rio in self._rank_io():
+                if rank is not None and rio.rank != rank:
+                    continue
+
+                def drain(start, stop, views, errors):
+                    for j, v in enumerate(views):
+                        if errors[j] is None:
+                            out[refs[start + j].key].append(bytes(v))
+                errs = rio.read_blocks(refs, drain, verify=verify)
+                bad.update(i for i, e in enumerate(errs) if e is not None)
+        finally:
+            self.unpin(r.slot for r in refs)
+        if bad:
+            first = min(bad)
+            if not self.readonly:
+                self.drop([refs[i].key for i in sorted(bad)])
+            for r in refs[first:]:
+                out.pop(r.key, None)
+        if touch and out and not self.readonly:
+            self.touch(list(out))
+        self.count_hits(len(out), 0 if len(out) == len(keys) else 1)
+        return out

@@ -1,0 +1,794 @@
+"""The LMDB index of a store: key -> slot, slot -> key, LRU order, free slots, counters.
+
+Owns the `STORE/index/` LMDB environment and nothing else. It never touches slot files,
+never checks payloads and knows nothing about vLLM: keys are opaque bytes (block hash + KV
+group id), slots are ints in ``[0, capacity_slots)``.
+
+Named databases (every value struct-packed, never pickled):
+
+===========  ==========================  =====================================
+db           key                         value
+===========  ==========================  =====================================
+``keys``     key bytes                   slot u32, generation u64, tick u64 (LE)
+``slots``    slot u32 BE                 key bytes
+``lru``      tick u64 BE + slot u32 BE   empty (first row = eviction victim)
+``free``     slot u32 BE                 empty (only slots given back)
+``reserved`` slot u32 BE                 generation u64 LE + key bytes
+``meta``     counter name                u64 LE
+===========  ==========================  =====================================
+
+Every slot is in exactly one of three states: *used* (a row in keys/slots/lru), *free*
+(a row in ``free``, or ``>= meta.high_water``; the latter makes creating a 10M-slot index
+O(1)) or *reserved* (a row in ``reserved``: handed to an in-flight store, not yet
+committed). ``used + free + reserved == capacity`` always; `check_consistency` verifies it.
+
+Single writer: the scheduler process (the store's LOCK file guarantees that; this module does
+not). Any number of readonly openers (tools) may run in other processes at the same time.
+Pins live in the caller's memory and are passed to `Index.reserve`.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import lmdb
+
+from kvstore.errors import ConfigError, CorruptIndex, KVStoreError, StoreFull
+
+__all__ = ["Entry", "Index", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+
+_U32 = struct.Struct(">I")      # slot keys: big-endian so LMDB order == numeric order
+_U64 = struct.Struct("<Q")      # meta counters, reservation generation
+_LRU = struct.Struct(">QI")     # tick then slot: ordered by age, unique per slot
+_VAL = struct.Struct("<IQQ")    # keys-db value: slot, generation, tick
+
+_DB_NAMES = (b"keys", b"slots", b"lru", b"free", b"reserved", b"meta")
+_COUNTERS = (b"capacity", b"high_water", b"tick", b"generation", b"hits", b"misses",
+             b"evictions", b"duplicates", b"stale_commits", b"format")
+
+_MAX_SLOTS = 1 << 32
+_MIN_MAP = 1 << 24
+_REBUILD_HINT = "run `kvstore fsck --rebuild-index` to rebuild it from the slot files"
+_ITER_CHUNK = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    key: bytes
+    slot: int
+    generation: int
+    tick: int
+
+
+# A frozen dataclass's __init__ goes through object.__setattr__ per field; setting the slot
+# descriptors directly is ~2x faster, which matters in longest_prefix (1000s of entries/call).
+_new = object.__new__
+_set_key = Entry.key.__set__        # type: ignore[attr-defined]
+_set_slot = Entry.slot.__set__      # type: ignore[attr-defined]
+_set_gen = Entry.generation.__set__  # type: ignore[attr-defined]
+_set_tick = Entry.tick.__set__      # type: ignore[attr-defined]
+
+
+def _entry(key: bytes, slot: int, gen: int, tick: int) -> Entry:
+    e = _new(Entry)
+    _set_key(e, key)
+    _set_slot(e, slot)
+    _set_gen(e, gen)
+    _set_tick(e, tick)
+    return e
+
+
+class Index:
+    """The LMDB index of one store. See the module docstring for the layout.
+
+    Not thread-safe: one owner thread per instance (the scheduler); LMDB itself keeps
+    readers in other processes consistent.
+    """
+
+    def __init__(self, path: str, capacity_slots: int | None = None, *, create: bool = False,
+                 readonly: bool = False, sync: bool = True, map_size: int | None = None):
+        if create and readonly:
+            raise ConfigError("Index: create=True and readonly=True are exclusive")
+        self._path = os.fspath(path)
+        self._readonly = readonly
+        self._sync = sync
+        self._env: lmdb.Environment | None = None
+        self._pending_hits = 0
+        self._pending_misses = 0
+        data = os.path.join(self._path, "data.mdb")
+        exists = os.path.isfile(data)
+        if create and not exists:
+            if capacity_slots is None or not 0 < capacity_slots <= _MAX_SLOTS:
+                raise ConfigError(
+                    f"Index: capacity_slots must be in 1..{_MAX_SLOTS} to create an index "
+                    f"(got {capacity_slots!r})")
+            os.makedirs(self._path, exist_ok=True)
+        elif not exists:
+            raise CorruptIndex(f"index not found at {self._path} (no data.mdb); {_REBUILD_HINT}")
+        if map_size is None:
+            # Room for ~2x the steady-state footprint (~200 B/entry) so that growth is rare.
+            cap = capacity_slots or 0
+            map_size = max(_MIN_MAP, cap * 512)
+        try:
+            env = lmdb.open(self._path, map_size=map_size, subdir=True, readonly=readonly,
+                            lock=True, sync=sync, metasync=sync, create=create, max_dbs=8,
+                            readahead=False, max_spare_txns=4)
+        except lmdb.Error as e:
+            if "already open in this process" in str(e):
+                # LMDB forbids two handles on one env in a process (its locks would break).
+                raise KVStoreError(
+                    f"index at {self._path} is already open in this process; share that "
+                    f"Index instead of opening a second one") from e
+            raise CorruptIndex(f"cannot open index at {self._path}: {e}; {_REBUILD_HINT}") from e
+        try:
+            self._open_dbs(env, create and not exists, capacity_slots)
+        except BaseException:
+            env.close()
+            raise
+        self._env = env
+
+    # ------------------------------------------------------------------ open / close
+
+    def _open_dbs(self, env: lmdb.Environment, fresh: bool, capacity: int | None) -> None:
+        try:
+            if self._readonly:
+                dbs = [env.open_db(n, create=False) for n in _DB_NAMES]
+            else:
+                with env.begin(write=True) as txn:
+                    dbs = [env.open_db(n, txn=txn, create=True) for n in _DB_NAMES]
+                    meta = dbs[5]
+                    if fresh:
+                        for name in _COUNTERS:
+                            txn.put(name, _U64.pack(0), db=meta)
+                        txn.put(b"capacity", _U64.pack(capacity), db=meta)
+                        txn.put(b"format", _U64.pack(FORMAT_VERSION), db=meta)
+        except lmdb.Error as e:
+            raise CorruptIndex(
+                f"index at {self._path} is missing its databases ({e}); {_REBUILD_HINT}") from e
+        self._keys, self._slots, self._lru, self._free, self._reserved, self._meta = dbs
+        with env.begin() as txn:
+            raw_cap = txn.get(b"capacity", db=self._meta)
+            raw_fmt = txn.get(b"format", db=self._meta)
+            if raw_cap is None or raw_fmt is None:
+                raise CorruptIndex(f"index at {self._path} has no meta counters; {_REBUILD_HINT}")
+            fmt = _U64.unpack(raw_fmt)[0]
+            if fmt != FORMAT_VERSION:
+                raise CorruptIndex(
+                    f"index at {self._path} has format {fmt}, this kvstore reads "
+                    f"{FORMAT_VERSION}; {_REBUILD_HINT}")
+            self._capacity = _U64.unpack(raw_cap)[0]
+            last_tick = 0
+            cur = txn.cursor(db=self._lru)
+            if cur.last():
+                last_tick = _LRU.unpack(cur.key())[0]
+            meta_tick = _U64.unpack(txn.get(b"tick", db=self._meta))[0]
+        if capacity is not None and capacity != self._capacity:
+            raise ConfigError(
+                f"Index: {self._path} was created with capacity_slots={self._capacity}, "
+                f"opened with {capacity}; resizing an index is not supported (recreate the store)")
+        if not self._readonly and last_tick > meta_tick:
+            # lru appends rely on tick being past every row; repair a lagging counter.
+            self._write(lambda txn: txn.put(b"tick", _U64.pack(last_tick), db=self._meta))
+
+    def close(self) -> None:
+        """Flush batched hit counters, sync (when opened with sync=False) and close. Idempotent."""
+        env = self._env
+        if env is None:
+            return
+        try:
+            if not self._readonly:
+                if self._pending_hits or self._pending_misses:
+                    self._write(lambda txn: None)
+                if not self._sync:
+                    env.sync(True)
+        finally:
+            self._env = None
+            env.close()
+
+    def __enter__(self) -> Index:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        env = getattr(self, "_env", None)
+        if env is not None:
+            try:
+                env.close()
+            except Exception:
+                pass
+
+    @property
+    def capacity_slots(self) -> int:
+        self._live()
+        return self._capacity
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def readonly(self) -> bool:
+        return self._readonly
+
+    @property
+    def closed(self) -> bool:
+        return self._env is None
+
+    # ------------------------------------------------------------------ txn plumbing
+
+    def _live(self) -> lmdb.Environment:
+        env = self._env
+        if env is None:
+            raise KVStoreError(f"index is closed ({self._path})")
+        return env
+
+    def _read(self) -> lmdb.Transaction:
+        env = self._live()
+        try:
+            return env.begin()
+        except lmdb.MapResizedError:
+            # The writer (another process) grew the map past ours: adopt its size.
+            env.set_mapsize(0)
+            return env.begin()
+
+    def _write(self, fn, *args):
+        """Run fn(txn, *args) in one write txn; on MapFullError double the map and rerun.
+
+        fn must not change Python-side state: a rerun starts from scratch.
+        """
+        env = self._live()
+        if self._readonly:
+            raise KVStoreError(f"index at {self._path} is opened read-only")
+        ph, pm = self._pending_hits, self._pending_misses
+        while True:
+            try:
+                with env.begin(write=True) as txn:
+                    if ph or pm:
+                        self._add(txn, b"hits", ph)
+                        self._add(txn, b"misses", pm)
+                    result = fn(txn, *args)
+                break
+            except lmdb.MapFullError:
+                env.set_mapsize(env.info()["map_size"] * 2)
+        self._pending_hits -= ph
+        self._pending_misses -= pm
+        return result
+
+    def _get(self, txn: lmdb.Transaction, name: bytes) -> int:
+        return _U64.unpack(txn.get(name, db=self._meta))[0]
+
+    def _set(self, txn: lmdb.Transaction, name: bytes, value: int) -> None:
+        txn.put(name, _U64.pack(value), db=self._meta)
+
+    def _add(self, txn: lmdb.Transaction, name: bytes, delta: int) -> None:
+        raw = txn.get(name, db=self._meta)
+        txn.put(name, _U64.pack((_U64.unpack(raw)[0] if raw else 0) + delta), db=self._meta)
+
+    # ------------------------------------------------------------------ reads
+
+    def lookup(self, key: bytes) -> Entry | None:
+        with self._read() as txn:
+            v = txn.get(key, db=self._keys)
+        if v is None:
+            return None
+        s, g, t = _VAL.unpack(v)
+        return _entry(key, s, g, t)
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> list[Entry]:
+        """Entries of keys[0..i) where keys[i] is the first key not in the index. One read txn."""
+        out: list[Entry] = []
+        n = len(keys)
+        if n == 0:
+            return out
+        unpack = _VAL.unpack
+        append = out.append
+        new, set_k, set_s, set_g, set_t = _new, _set_key, _set_slot, _set_gen, _set_tick
+        with self._read() as txn:
+            cur = txn.cursor(db=self._keys)
+            # getmulti does the B-tree walks in C and skips missing keys, so a short result
+            # means a miss, at the first position whose returned key differs from the asked
+            # one. Chunks grow so that an early miss does not pay for the whole chain.
+            pos, chunk = 0, 64
+            while pos < n:
+                part = keys[pos:pos + chunk]
+                rows = cur.getmulti(part)
+                full = len(rows) == len(part)
+                if not full:
+                    i = 0
+                    for (rk, _), k in zip(rows, part):
+                        if rk != k:
+                            break
+                        i += 1
+                    rows = rows[:i]
+                # Inlined Entry construction: this loop is the serving hot path.
+                for k, v in rows:
+                    e = new(Entry)
+                    set_k(e, k)
+                    s, g, t = unpack(v)
+                    set_s(e, s)
+                    set_g(e, g)
+                    set_t(e, t)
+                    append(e)
+                if not full:
+                    return out
+                pos += chunk
+                chunk *= 4
+        return out
+
+    def stats(self) -> dict:
+        """Counters and sizes; O(1) (meta rows and LMDB db stats, no scan)."""
+        env = self._live()
+        with self._read() as txn:
+            m = {name.decode(): self._get(txn, name) for name in _COUNTERS
+                 if txn.get(name, db=self._meta) is not None}
+            used = txn.stat(self._keys)["entries"]
+            free_rows = txn.stat(self._free)["entries"]
+            reserved = txn.stat(self._reserved)["entries"]
+            lru_rows = txn.stat(self._lru)["entries"]
+            oldest = self._oldest(txn)
+        info = env.info()
+        cap = m["capacity"]
+        return {
+            "capacity_slots": cap,
+            "used_slots": used,
+            "free_slots": free_rows + cap - m["high_water"],
+            "reserved_slots": reserved,
+            "high_water": m["high_water"],
+            "lru_rows": lru_rows,
+            "hits": m["hits"] + self._pending_hits,
+            "misses": m["misses"] + self._pending_misses,
+            "evictions": m["evictions"],
+            "duplicates": m.get("duplicates", 0),
+            "stale_commits": m.get("stale_commits", 0),
+            "tick": m["tick"],
+            "oldest_tick": oldest,
+            "generation": m["generation"],
+            "format": m["format"],
+            "map_size": info["map_size"],
+            "data_bytes": (info["last_pgno"] + 1) * env.stat()["psize"],
+            "readonly": self._readonly,
+        }
+
+    def _oldest(self, txn: lmdb.Transaction) -> int | None:
+        cur = txn.cursor(db=self._lru)
+        return _LRU.unpack(cur.key())[0] if cur.first() else None
+
+    def oldest_tick(self) -> int | None:
+        with self._read() as txn:
+            return self._oldest(txn)
+
+    # Iterators read in chunks of short transactions rather than holding one snapshot: a
+    # long-lived read txn pins old pages (the map grows) and would block map growth in this
+    # process. With the writer lock held (fsck, warmup) nothing moves underneath anyway.
+
+    def _chunks(self, db, reverse: bool = False) -> Iterator[list[tuple[bytes, bytes]]]:
+        last: bytes | None = None
+        while True:
+            with self._read() as txn:
+                cur = txn.cursor(db=db)
+                rows: list[tuple[bytes, bytes]] = []
+                if not reverse:
+                    ok = cur.set_range(last) if last is not None else cur.first()
+                    if ok and last is not None and cur.key() == last:
+                        ok = cur.next()
+                    while ok and len(rows) < _ITER_CHUNK:
+                        rows.append(cur.item())
+                        ok = cur.next()
+                else:
+                    if last is None:
+                        ok = cur.last()
+                    else:
+                        ok = cur.set_range(last)
+                        ok = cur.prev() if ok else cur.last()
+                    while ok and len(rows) < _ITER_CHUNK:
+                        rows.append(cur.item())
+                        ok = cur.prev()
+            if not rows:
+                return
+            yield rows
+            if len(rows) < _ITER_CHUNK:
+                return
+            last = rows[-1][0]
+
+    def iter_entries(self) -> Iterator[Entry]:
+        """Every committed entry, in key order."""
+        for rows in self._chunks(self._keys):
+            for k, v in rows:
+                yield _entry(k, *_VAL.unpack(v))
+
+    def iter_lru(self, hottest_first: bool = False) -> Iterator[Entry]:
+        """Committed entries in eviction order (coldest first unless hottest_first)."""
+        for rows in self._chunks(self._lru, reverse=hottest_first):
+            out = []
+            with self._read() as txn:
+                for lk, _ in rows:
+                    _tick, slot = _LRU.unpack(lk)
+                    key = txn.get(_U32.pack(slot), db=self._slots)
+                    v = txn.get(key, db=self._keys) if key is not None else None
+                    if v is None:
+                        continue  # changed since the chunk was read
+                    s, g, t = _VAL.unpack(v)
+                    if s == slot:
+                        out.append(_entry(key, s, g, t))
+            yield from out  # outside the txn: see the note above _chunks
+
+    def iter_reserved(self) -> Iterator[tuple[int, int, bytes]]:
+        """(slot, generation, key) of every reservation not yet committed or aborted."""
+        for rows in self._chunks(self._reserved):
+            for sk, v in rows:
+                yield _U32.unpack(sk)[0], _U64.unpack_from(v)[0], bytes(v[8:])
+
+    def iter_free(self) -> Iterator[int]:
+        """Every free slot: the given-back ones (ascending), then high_water..capacity."""
+        for rows in self._chunks(self._free):
+            for sk, _ in rows:
+                yield _U32.unpack(sk)[0]
+        with self._read() as txn:
+            hw = self._get(txn, b"high_water")
+        yield from range(hw, self._capacity)
+
+    # ------------------------------------------------------------------ writes
+
+    def reserve(self, keys: Iterable[bytes], pinned: Collection[int] = ()
+                ) -> tuple[list[tuple[bytes, int, int]], list[Entry]]:
+        """Reserve one slot per key that is not already committed; one write txn.
+
+        Keys already in the index, and repeats within `keys`, are skipped (not returned):
+        the caller stores only what is returned. Slots come from the free list, then from
+        never-used slots, then by evicting the least recently used entries whose slot is not
+        in `pinned` (a pinned slot is never handed out, free or not). Each reservation gets a
+        fresh generation. Returns ([(key, slot, generation)], evicted entries).
+
+        Raises StoreFull, changing nothing, if not every key can get a slot.
+        """
+        if not isinstance(pinned, (set, frozenset)):
+            pinned = set(pinned)
+        return self._write(self._reserve_txn, list(keys), pinned)
+
+    def _reserve_txn(self, txn, keys, pinned):
+        get, put = txn.get, txn.put
+        kdb = self._keys
+        todo: list[bytes] = []
+        seen: set[bytes] = set()
+        for k in keys:
+            if not k or len(k) > 511:
+                raise KVStoreError(f"Index.reserve: key length {len(k)} not in 1..511 bytes")
+            if k in seen:
+                continue
+            seen.add(k)
+            if get(k, db=kdb) is None:
+                todo.append(k)
+        n = len(todo)
+        if n == 0:
+            return [], []
+        slots: list[int] = []
+        cur = txn.cursor(db=self._free)
+        ok = cur.first()
+        while ok and len(slots) < n:
+            s = _U32.unpack(cur.key())[0]
+            if s in pinned:
+                ok = cur.next()
+                continue
+            slots.append(s)
+            cur.delete()
+            ok = cur.key() != b""
+        cap = self._capacity
+        hw = self._get(txn, b"high_water")
+        while hw < cap and len(slots) < n:
+            if hw not in pinned:
+                slots.append(hw)
+            else:
+                put(_U32.pack(hw), b"", db=self._free)  # keep the accounting whole
+            hw += 1
+        evicted: list[Entry] = []
+        if len(slots) < n:
+            sdb = self._slots
+            cur = txn.cursor(db=self._lru)
+            ok = cur.first()
+            while ok and len(slots) < n:
+                t, s = _LRU.unpack(cur.key())
+                if s in pinned:
+                    ok = cur.next()
+                    continue
+                sk = _U32.pack(s)
+                k = txn.pop(sk, db=sdb)
+                v = txn.pop(k, db=kdb) if k is not None else None
+                if v is None:
+                    raise CorruptIndex(
+                        f"lru row (tick {t}, slot {s}) has no key/slot rows; {_REBUILD_HINT}")
+                _, g, _ = _VAL.unpack(v)
+                evicted.append(_entry(k, s, g, t))
+                slots.append(s)
+                cur.delete()
+                ok = cur.key() != b""
+            if len(slots) < n:
+                reserved = txn.stat(self._reserved)["entries"]
+                raise StoreFull(
+                    f"cannot reserve {n} slot(s): capacity {cap}, {len(pinned)} pinned by "
+                    f"in-flight loads, {reserved} reserved by in-flight stores, only "
+                    f"{len(slots)} free or evictable. Store fewer blocks per step, pin fewer "
+                    f"blocks at once, or create the store with more capacity_slots")
+        gen = self._get(txn, b"generation")
+        rdb = self._reserved
+        out = []
+        for k, s in zip(todo, slots):
+            gen += 1
+            put(_U32.pack(s), _U64.pack(gen) + k, db=rdb)
+            out.append((k, s, gen))
+        self._set(txn, b"generation", gen)
+        self._set(txn, b"high_water", hw)
+        if evicted:
+            self._add(txn, b"evictions", len(evicted))
+        return out, evicted
+
+    def commit(self, items: Sequence[tuple[bytes, int, int]]) -> list[tuple[bytes, int, int]]:
+        """Make reserved (key, slot, generation) items visible to lookups; one write txn.
+
+        items[0] gets the most recent tick (a chain's head outlives its tail). An item whose
+        slot is no longer reserved with that generation and key (aborted, reclaimed or
+        re-reserved since) is skipped and returned: its slot may hold someone else's data.
+        If the key is already committed at another slot (two stores of the same block), the
+        existing entry is kept and refreshed (a load may be reading it now) and the new slot
+        goes back to free. Returns the skipped items (empty when all went in).
+        """
+        if not items:
+            return []
+        return self._write(self._commit_txn, items)
+
+    def _commit_txn(self, txn, items):
+        get, put, delete = txn.get, txn.put, txn.delete
+        kdb, sdb, ldb, rdb = self._keys, self._slots, self._lru, self._reserved
+        tick = self._get(txn, b"tick")
+        skipped = []
+        dups = 0
+        for item in reversed(items):
+            key, slot, gen = item
+            sk = _U32.pack(slot)
+            r = get(sk, db=rdb)
+            if r is None or _U64.unpack_from(r)[0] != gen or r[8:] != key:
+                skipped.append(item)
+                continue
+            delete(sk, db=rdb)
+            tick += 1
+            old = get(key, db=kdb)
+            if old is None:
+                put(key, _VAL.pack(slot, gen, tick), db=kdb)
+                put(sk, key, db=sdb)
+                put(_LRU.pack(tick, slot), b"", db=ldb, append=True)
+            else:
+                os_, og, ot = _VAL.unpack(old)
+                delete(_LRU.pack(ot, os_), db=ldb)
+                put(_LRU.pack(tick, os_), b"", db=ldb, append=True)
+                put(key, _VAL.pack(os_, og, tick), db=kdb)
+                put(sk, b"", db=self._free)
+                dups += 1
+        self._set(txn, b"tick", tick)
+        if dups:
+            self._add(txn, b"duplicates", dups)
+        if skipped:
+            self._add(txn, b"stale_commits", len(skipped))
+            skipped.reverse()
+        return skipped
+
+    def abort(self, slots_or_items: Iterable[int | tuple[bytes, int, int]]) -> int:
+        """Give reservations back to free. Accepts slot ints (released if reserved) or
+        (key, slot, generation) items (released only if that reservation still stands).
+        Returns how many were released."""
+        return self._write(self._abort_txn, list(slots_or_items))
+
+    def _abort_txn(self, txn, things):
+        rdb, fdb = self._reserved, self._free
+        n = 0
+        for x in things:
+            if isinstance(x, int):
+                sk = _U32.pack(x)
+                if txn.pop(sk, db=rdb) is None:
+                    continue
+            else:
+                key, slot, gen = x
+                sk = _U32.pack(slot)
+                r = txn.get(sk, db=rdb)
+                if r is None or _U64.unpack_from(r)[0] != gen or r[8:] != key:
+                    continue
+                txn.delete(sk, db=rdb)
+            txn.put(sk, b"", db=fdb)
+            n += 1
+        return n
+
+    def reclaim_reserved(self) -> int:
+        """Crash recovery, for the writer at open: every reserved slot goes back to free.
+        A reserved slot may hold a half-written block; nothing points at it. Returns count."""
+        return self._write(self._reclaim_txn)
+
+    def _reclaim_txn(self, txn):
+        slots = list(txn.cursor(db=self._reserved).iternext(keys=True, values=False))
+        if slots:
+            txn.cursor(db=self._free).putmulti(((sk, b"") for sk in slots))
+            txn.drop(self._reserved, delete=False)
+        return len(slots)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """LRU update for a prefix hit, one write txn: keys[0] becomes the most recent,
+        keys[-1] the least recent of the chain, so a chain is evicted tail first.
+        Keys not in the index are ignored."""
+        if keys:
+            self._write(self._touch_txn, keys)
+
+    def _touch_txn(self, txn, keys):
+        get, put, delete = txn.get, txn.put, txn.delete
+        kdb, ldb = self._keys, self._lru
+        tick = self._get(txn, b"tick")
+        unpack, pack, lru = _VAL.unpack, _VAL.pack, _LRU.pack
+        for k in reversed(keys):
+            v = get(k, db=kdb)
+            if v is None:
+                continue
+            s, g, t = unpack(v)
+            tick += 1
+            delete(lru(t, s), db=ldb)
+            put(lru(tick, s), b"", db=ldb, append=True)
+            put(k, pack(s, g, tick), db=kdb)
+        self._set(txn, b"tick", tick)
+
+    def drop(self, keys: Iterable[bytes]) -> list[Entry]:
+        """Remove entries (e.g. a slot failed verification); their slots go back to free.
+        Returns the removed entries; absent keys are ignored."""
+        return self._write(self._drop_txn, list(keys))
+
+    def _drop_txn(self, txn, keys):
+        out = []
+        for k in keys:
+            v = txn.pop(k, db=self._keys)
+            if v is None:
+                continue
+            s, g, t = _VAL.unpack(v)
+            sk = _U32.pack(s)
+            txn.delete(sk, db=self._slots)
+            txn.delete(_LRU.pack(t, s), db=self._lru)
+            txn.put(sk, b"", db=self._free)
+            out.append(_entry(k, s, g, t))
+        return out
+
+    def count_hits(self, hits: int, misses: int) -> None:
+        """Batched in memory; written with the next write txn (or close)."""
+        self._live()
+        self._pending_hits += hits
+        self._pending_misses += misses
+
+    def flush(self) -> None:
+        """Write batched counters now."""
+        if not self._readonly and (self._pending_hits or self._pending_misses):
+            self._write(lambda txn: None)
+
+    def bulk_load(self, entries: Iterable[tuple[bytes, int, int]], *, keys_sorted: bool = False,
+                  batch: int = 200_000) -> int:
+        """Fill an empty index with committed (key, slot, generation) entries, fast.
+
+        For `fsck --rebuild-index` (entries scanned from slot headers) and benchmarks. Ticks
+        follow input order (first = coldest). keys_sorted=True promises ascending keys and
+        uses LMDB append mode. Slots not loaded below the highest one become free. Raises
+        KVStoreError on a duplicate key or slot, or if the index is not empty (partial
+        batches already written stay; recreate the index to retry). Returns the count.
+        """
+        self._live()
+        with self._read() as txn:
+            if (txn.stat(self._keys)["entries"] or txn.stat(self._reserved)["entries"]
+                    or self._get(txn, b"high_water")):
+                raise KVStoreError(f"Index.bulk_load: index at {self._path} is not empty")
+        cap = self._capacity
+        seen = bytearray(cap)
+        state = {"tick": 0, "gen": 0, "hw": 0, "n": 0, "last_slot": -1}
+
+        def flush(rows):
+            slot_sorted = all(rows[i][1] < rows[i + 1][1] for i in range(len(rows) - 1)) \
+                and rows[0][1] > state["last_slot"]
+            t0 = state["tick"]
+            kv = [(k, _VAL.pack(s, g, t0 + i + 1)) for i, (k, s, g) in enumerate(rows)]
+            sv = [(_U32.pack(s), k) for k, s, _ in rows]
+            if not slot_sorted:
+                sv.sort()
+            lv = [(_LRU.pack(t0 + i + 1, s), b"") for i, (_, s, _) in enumerate(rows)]
+
+            def txnfn(txn):
+                _, added = txn.cursor(db=self._keys).putmulti(kv, overwrite=False,
+                                                              append=keys_sorted)
+                if added != len(kv):
+                    raise KVStoreError("Index.bulk_load: duplicate key in input")
+                txn.cursor(db=self._slots).putmulti(sv, append=slot_sorted)
+                txn.cursor(db=self._lru).putmulti(lv, append=True)
+                self._set(txn, b"tick", t0 + len(rows))
+                self._set(txn, b"generation", max(state["gen"], max(g for _, _, g in rows)))
+                self._set(txn, b"high_water", max(state["hw"], max(s for _, s, _ in rows) + 1))
+
+            self._write(txnfn)
+            state["tick"] = t0 + len(rows)
+            state["gen"] = max(state["gen"], max(g for _, _, g in rows))
+            state["hw"] = max(state["hw"], max(s for _, s, _ in rows) + 1)
+            state["last_slot"] = max(state["last_slot"], max(s for _, s, _ in rows))
+            state["n"] += len(rows)
+
+        rows: list[tuple[bytes, int, int]] = []
+        for k, s, g in entries:
+            if not 0 <= s < cap:
+                raise KVStoreError(f"Index.bulk_load: slot {s} outside [0, {cap})")
+            if seen[s]:
+                raise KVStoreError(f"Index.bulk_load: slot {s} appears twice")
+            seen[s] = 1
+            rows.append((k, s, g))
+            if len(rows) >= batch:
+                flush(rows)
+                rows = []
+        if rows:
+            flush(rows)
+        hw = state["hw"]
+        holes = []
+        i = seen.find(0, 0, hw)
+        while i != -1:
+            holes.append((_U32.pack(i), b""))
+            i = seen.find(0, i + 1, hw)
+        if holes:
+            self._write(lambda txn: txn.cursor(db=self._free).putmulti(holes, append=True))
+        return state["n"]
+
+    # ------------------------------------------------------------------ verification
+
+    def check_consistency(self) -> list[str]:
+        """Full scan of one snapshot; returns a description of every broken invariant
+        (empty list = consistent). O(entries): for fsck and tests, not the serving path."""
+        problems: list[str] = []
+        with self._read() as txn:
+            cap = self._capacity
+            hw = self._get(txn, b"high_water")
+            tick = self._get(txn, b"tick")
+            gen = self._get(txn, b"generation")
+            if hw > cap:
+                problems.append(f"high_water {hw} > capacity {cap}")
+            owner: dict[int, str] = {}
+
+            def claim(slot: int, what: str) -> None:
+                if not 0 <= slot < cap:
+                    problems.append(f"{what}: slot {slot} outside [0, {cap})")
+                elif slot >= hw:
+                    problems.append(f"{what}: slot {slot} >= high_water {hw}")
+                if slot in owner:
+                    problems.append(f"slot {slot} is both {owner[slot]} and {what}")
+                else:
+                    owner[slot] = what
+
+            lru_expected = set()
+            for k, v in txn.cursor(db=self._keys):
+                s, g, t = _VAL.unpack(v)
+                claim(s, f"used by key {k.hex()}")
+                if txn.get(_U32.pack(s), db=self._slots) != k:
+                    problems.append(f"slots[{s}] does not point back at key {k.hex()}")
+                if t > tick:
+                    problems.append(f"key {k.hex()} tick {t} > meta tick {tick}")
+                if g > gen:
+                    problems.append(f"key {k.hex()} generation {g} > meta generation {gen}")
+                lru_expected.add(_LRU.pack(t, s))
+            n_slots = txn.stat(self._slots)["entries"]
+            n_keys = txn.stat(self._keys)["entries"]
+            if n_slots != n_keys:
+                problems.append(f"slots db has {n_slots} rows, keys db {n_keys}")
+            lru_rows = set(txn.cursor(db=self._lru).iternext(keys=True, values=False))
+            if lru_rows != lru_expected:
+                problems.append(f"lru has {len(lru_rows - lru_expected)} rows without an entry "
+                                f"and misses {len(lru_expected - lru_rows)} entries")
+            for sk in txn.cursor(db=self._free).iternext(keys=True, values=False):
+                claim(_U32.unpack(sk)[0], "free")
+            for sk, v in txn.cursor(db=self._reserved):
+                claim(_U32.unpack(sk)[0], "reserved")
+                if _U64.unpack_from(v)[0] > gen:
+                    problems.append(f"reservation of slot {_U32.unpack(sk)[0]} has generation "
+                                    f"> meta generation {gen}")
+            if len(owner) != hw:
+                problems.append(f"used + free + reserved below high_water = {len(owner)}, "
+                                f"expected {hw} (slots lost or counted twice)")
+        return problems

@@ -1,0 +1,835 @@
+"""CPU engine harness: a real vLLM ``Scheduler`` plus N worker-side KV connectors
+over CPU KV tensors, with a deterministic "forward" and a byte-exact verifier.
+
+Used by the tests, the demo and the benchmarks. Nothing here needs a GPU.
+
+The harness plays the roles vLLM's ``EngineCore`` and ``GPUModelRunner`` play:
+
+    schedule() -> per rank: handle_preemptions, bind_connector_metadata,
+    [start_load_kv if the step has sync loads], verify newly scheduled
+    requests, forward (per layer: wait_for_layer_load, write KV, save_kv_layer),
+    [start_load_kv otherwise], wait_for_save, get_transfer_results,
+    get_block_ids_with_load_errors, get_kv_connector_stats,
+    build_connector_worker_meta, clear_connector_metadata
+    -> KVOutputAggregator over the ranks -> update_from_output.
+
+The forward writes, for every computed token position ``p`` of every layer ``l``
+and rank ``r``, bytes that are a pure function of (hash of token ids[0..p], l,
+p, r). Any block the request starts with (``num_computed_tokens > 0`` at its
+first scheduling: local prefix-cache hit or external load) is checked against
+that function before the forward runs, so a connector that delivers wrong bytes
+is caught (``blocks_mismatched``).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "write_model_dir",
+    "EngineHarness",
+    "expected_token_bytes",
+    "prefix_hashes",
+    "HarnessError",
+]
+
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+class HarnessError(AssertionError):
+    """The harness saw the engine misbehave (stuck request, leak, ...)."""
+
+
+# --------------------------------------------------------------------------
+# model directory
+# --------------------------------------------------------------------------
+
+
+def write_model_dir(
+    path: str | os.PathLike,
+    num_layers: int = 2,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    num_attention_heads: int | None = None,
+    vocab_size: int = 32000,
+    max_position_embeddings: int = 8192,
+    dtype: str = "float16",
+) -> str:
+    """Write a tiny llama-like ``config.json`` that vLLM's ``ModelConfig``
+    accepts offline (use ``skip_tokenizer_init=True``; no tokenizer files).
+    Returns the directory path."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    if num_attention_heads is None:
+        num_attention_heads = num_kv_heads * 2
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": num_attention_heads * head_dim,
+        "intermediate_size": 2 * num_attention_heads * head_dim,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "num_hidden_layers": num_layers,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "torch_dtype": dtype,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    return path
+
+
+# --------------------------------------------------------------------------
+# deterministic KV content
+# --------------------------------------------------------------------------
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer, vectorized over uint64 arrays (wrapping)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _mix_int(x: int) -> int:
+    x &= _M64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _M64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def prefix_hashes(token_ids: Sequence[int], start: int = 0, prev: int = 0) -> list[int]:
+    """Rolling 64-bit hash: element ``i`` is a hash of token_ids[0..start+i]
+    (inclusive). ``prev`` is the hash at ``start - 1`` (0 for start == 0)."""
+    out = []
+    h = prev
+    for t in token_ids[start:]:
+        h = _mix_int(h * 0x100000001B3 + int(t) + _GOLDEN)
+        out.append(h)
+    return out
+
+
+def expected_token_bytes(
+    hashes: np.ndarray, positions: np.ndarray, layer: int, rank: int, nbytes: int
+) -> np.ndarray:
+    """uint8 array ``[T, nbytes]``: KV bytes of each token (prefix hash,
+    position) at ``layer`` on ``rank``. Pure function of its arguments."""
+    hashes = np.asarray(hashes, dtype=np.uint64)
+    positions = np.asarray(positions, dtype=np.uint64)
+    salt = np.uint64(_mix_int((layer << 32) ^ (rank << 16) ^ 0x5EED))
+    with np.errstate(over="ignore"):
+        seed = _mix64(hashes ^ _mix64(positions + salt))
+        nwords = (nbytes + 7) // 8
+        words = _mix64(
+            seed[:, None] + np.arange(1, nwords + 1, dtype=np.uint64)[None, :]
+            * np.uint64(_GOLDEN)
+        )
+    return words.view(np.uint8).reshape(len(hashes), nwords * 8)[:, :nbytes]
+
+
+# --------------------------------------------------------------------------
+# harness
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class _ReqState:
+    block_ids: list[int] = field(default_factory=list)  # group 0 block table
+    hashes: list[int] = field(default_factory=list)  # prefix hash per position
+
+
+@dataclass
+class _Rank:
+    rank: int
+    vllm_config: Any
+    connector: Any  # worker-side connector or None
+    kv_caches: dict  # layer name -> [B, H, N, C] view (spec dtype)
+    byte_views: list  # per layer, uint8 view [B, H, N, Cbytes]
+    forward_context: Any = None
+
+
+_HARNESS_IDS = itertools.count()
+
+
+class EngineHarness:
+    """A real vLLM Scheduler + ``tp_size`` worker-side connectors on CPU.
+
+    Args:
+        model_dir: directory with a config.json; written (tiny llama) if None.
+        kv_transfer_config: dict of ``KVTransferConfig`` fields, or None for no
+            connector (plain prefix caching).
+        num_gpu_blocks: size of the "GPU" KV cache (small, so it overflows).
+        layout: KV cache layout name (``LBNHC``, ``LBHNC``, ``BLNHC``, ...).
+        kv_events: enable KV cache events with the "null" publisher.
+        async_scheduling: build an AsyncScheduler and lag update_from_output by
+            one step, like vLLM's async engine loop.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | None = None,
+        *,
+        workdir: str | None = None,
+        num_layers: int = 2,
+        num_kv_heads: int = 2,
+        head_dim: int = 16,
+        dtype: str = "float16",
+        block_size: int = 16,
+        num_gpu_blocks: int = 64,
+        max_num_batched_tokens: int = 256,
+        max_num_seqs: int = 16,
+        max_model_len: int = 4096,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        kv_transfer_config: dict | None = None,
+        kv_events: bool = False,
+        tp_size: int = 1,
+        layout: str = "LBNHC",
+        async_scheduling: bool = False,
+        hash_algo: str = "sha256",
+        verify: bool = True,
+    ):
+        import torch
+
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVEventsConfig,
+            KVTransferConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+
+        if num_kv_heads % tp_size:
+            raise ValueError("num_kv_heads must be divisible by tp_size")
+        self._tmp = None
+        if model_dir is None:
+            if workdir is None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="kvstore-harness-")
+                workdir = self._tmp.name
+            model_dir = write_model_dir(
+                os.path.join(workdir, "model"),
+                num_layers=num_layers,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                dtype=dtype,
+                max_position_embeddings=max(8192, max_model_len),
+            )
+        self.model_dir = model_dir
+        with open(os.path.join(model_dir, "config.json")) as f:
+            hf = json.load(f)
+        self.num_layers = int(hf["num_hidden_layers"])
+        self.num_kv_heads = int(hf.get("num_key_value_heads", hf["num_attention_heads"]))
+        self.head_dim = int(
+            hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+        )
+        self.vocab_size = int(hf.get("vocab_size", 32000))
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.tp_size = tp_size
+        self.layout_name = layout
+        self.verify_enabled = verify
+        self.async_scheduling = async_scheduling
+
+        model_config = ModelConfig(
+            model=model_dir,
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            seed=0,
+            max_model_len=max_model_len,
+        )
+        self.dtype = model_config.dtype
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=enable_chunked_prefill,
+            is_encoder_decoder=False,
+            async_scheduling=async_scheduling,
+        )
+        cache_config = CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            prefix_caching_hash_algo=hash_algo,
+        )
+        ktc = None
+        if kv_transfer_config is not None:
+            ktc_args = dict(kv_transfer_config)
+            ktc_args.setdefault("kv_role", "kv_both")
+            ktc = KVTransferConfig(**ktc_args)
+        kec = None
+        if kv_events:
+            kec = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        vc_kwargs: dict[str, Any] = dict(
+            model_config=model_config,
+            scheduler_config=scheduler_config,
+            cache_config=cache_config,
+            device_config=DeviceConfig("cpu"),
+            kv_transfer_config=ktc,
+        )
+        if kec is not None:
+            vc_kwargs["kv_events_config"] = kec
+        vllm_config = VllmConfig(**vc_kwargs)
+        # What the engine core resolves before building workers/scheduler.
+        vllm_config.cache_config.kv_cache_layout = layout
+        vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
+        vllm_config.cache_config.num_gpu_blocks_override = num_gpu_blocks
+        vllm_config.parallel_config.tensor_parallel_size = tp_size
+        vllm_config.parallel_config.world_size = tp_size
+        self.vllm_config = vllm_config
+
+        self.kv_cache_config = self._build_kv_cache_config()
+        self.page_bytes = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+        # bytes of one token of one layer on one rank
+        self.token_bytes = self.page_bytes // block_size
+
+        self._build_scheduler(hash_algo)
+        self._build_workers()
+
+        self.stats: dict[str, int] = {
+            "steps": 0,
+            "tokens_computed": 0,
+            "requests_added": 0,
+            "requests_finished": 0,
+            "requests_aborted": 0,
+            "blocks_verified": 0,
+            "blocks_loaded": 0,
+            "blocks_mismatched": 0,
+            "local_hit_tokens": 0,
+            "external_hit_tokens": 0,
+            "finished_recving": 0,
+            "finished_sending": 0,
+            "invalid_block_ids": 0,
+            "failed_recving": 0,
+        }
+        self.mismatches: list[dict] = []  # details of the first mismatches
+        self.events: list[Any] = []  # KV events seen through the publisher
+        self.kv_connector_stats: list[Any] = []
+        self.finished: dict[str, list[int]] = {}  # req id -> output token ids
+        self._outputs: dict[str, list[int]] = {}
+        self._req_state: dict[str, _ReqState] = {}
+        # block id -> (prefix hash of last written token, tokens written in
+        # the block) for blocks the harness forward wrote itself.
+        self._block_owner: dict[int, tuple[int, int]] = {}
+        self._req_counter = itertools.count()
+        self._hid = next(_HARNESS_IDS)
+        self._pending: tuple[Any, Any] | None = None  # async scheduling lag
+        self._hash_cache: dict[tuple[int, ...], list[int]] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ setup
+
+    def _build_kv_cache_config(self):
+        import torch
+
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+        spec = FullAttentionSpec(
+            block_size=self.block_size,
+            num_kv_heads=self.num_kv_heads // self.tp_size,
+            head_size=self.head_dim,
+            dtype=self.dtype if isinstance(self.dtype, torch.dtype) else torch.float16,
+        )
+        self.layer_names = [
+            f"model.layers.{i}.self_attn.attn" for i in range(self.num_layers)
+        ]
+        groups = [KVCacheGroupSpec(list(self.layer_names), spec)]
+        available = spec.page_size_bytes * self.num_layers * self.num_gpu_blocks
+        cfg = get_kv_cache_config_from_groups(self.vllm_config, groups, available)
+        assert cfg.num_blocks == self.num_gpu_blocks, cfg.num_blocks
+        cfg.kv_cache_layout = self.layout_name
+        cfg.hash_block_size = self.block_size
+        return cfg
+
+    def _build_scheduler(self, hash_algo: str):
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        cls = AsyncScheduler if self.async_scheduling else Scheduler
+        self.scheduler = cls(
+            vllm_config=self.vllm_config,
+            kv_cache_config=self.kv_cache_config,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=self.block_size,
+        )
+        hash_fn = get_hash_fn_by_name(hash_algo)
+        init_none_hash(hash_fn)
+        self._block_hasher = get_request_block_hasher(self.block_size, hash_fn)
+        self.scheduler_connector = self.scheduler.connector
+
+    def _build_workers(self):
+        import torch
+
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.forward_context import ForwardContext
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        layout = KVCacheLayout[self.layout_name]
+        self.ranks: list[_Rank] = []
+        for r in range(self.tp_size):
+            rank_config = copy.copy(self.vllm_config)
+            pc = copy.copy(self.vllm_config.parallel_config)
+            pc.rank = r  # what vLLM's WorkerBase sets (worker_base.py:86)
+            object.__setattr__(rank_config, "parallel_config", pc)
+            kv_caches = allocate_kv_cache(
+                self.kv_cache_config,
+                torch.device("cpu"),
+                layout,
+                [self.block_size],
+            )
+            byte_views = [kv_caches[n].view(torch.uint8) for n in self.layer_names]
+            connector = None
+            if self.vllm_config.kv_transfer_config is not None:
+                with set_current_vllm_config(rank_config):
+                    connector = KVConnectorFactory.create_connector(
+                        config=rank_config,
+                        role=KVConnectorRole.WORKER,
+                        kv_cache_config=self.kv_cache_config,
+                    )
+                    connector.register_kv_caches(kv_caches)
+            ctx = ForwardContext(
+                no_compile_layers={
+                    n: SimpleNamespace(kv_cache=kv_caches[n], layer_name=n)
+                    for n in self.layer_names
+                },
+                attn_metadata={n: SimpleNamespace() for n in self.layer_names},
+                slot_mapping={},
+            )
+            self.ranks.append(
+                _Rank(r, rank_config, connector, kv_caches, byte_views, ctx)
+            )
+        self.worker_connectors = [rk.connector for rk in self.ranks]
+        self._aggregator = None
+        if self.ranks[0].connector is not None:
+            self._aggregator = KVOutputAggregator.from_connector(
+                self.ranks[0].connector, self.tp_size
+            )
+
+    # --------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int = 1,
+        req_id: str | None = None,
+        cache_salt: str | None = None,
+        skip_reading_prefix_cache: bool = False,
+    ) -> str:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        if req_id is None:
+            req_id = f"h{self._hid}-r{next(self._req_counter)}"
+        sp = SamplingParams(
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            skip_reading_prefix_cache=skip_reading_prefix_cache or None,
+        )
+        req = Request(
+            request_id=req_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=sp,
+            pooling_params=None,
+            block_hasher=self._block_hasher,
+            cache_salt=cache_salt,
+        )
+        self.scheduler.add_request(req)
+        self.stats["requests_added"] += 1
+        return req_id
+
+    def abort(self, req_ids: str | Iterable[str]) -> None:
+        from vllm.v1.request import RequestStatus
+
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        aborted = self.scheduler.finish_requests(
+            list(req_ids), RequestStatus.FINISHED_ABORTED
+        )
+        self.stats["requests_aborted"] += len(aborted)
+
+    # -------------------------------------------------------------- stepping
+
+    def _hashes_for(self, req_id: str, tokens: Sequence[int], upto: int) -> list[int]:
+        st = self._req_state.setdefault(req_id, _ReqState())
+        h = st.hashes
+        if len(h) < upto:
+            h.extend(
+                prefix_hashes(tokens[:upto], start=len(h), prev=h[-1] if h else 0)
+            )
+        return h
+
+    def _update_block_tables(self, so) -> list[tuple[str, int]]:
+        """Apply the scheduler output to the per-request block tables, like the
+        model runner does. Returns (req_id, num_computed_tokens) of requests
+        scheduled for the first time (new or resumed)."""
+        first: list[tuple[str, int]] = []
+        for nr in so.scheduled_new_reqs:
+            st = self._req_state.setdefault(nr.req_id, _ReqState())
+            st.block_ids = list(nr.block_ids[0])
+            first.append((nr.req_id, nr.num_computed_tokens))
+        cr = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cr.req_ids):
+            st = self._req_state.setdefault(req_id, _ReqState())
+            nb = cr.new_block_ids[i]
+            if req_id in cr.resumed_req_ids:
+                st.block_ids = list(nb[0]) if nb is not None else []
+                first.append((req_id, cr.num_computed_tokens[i]))
+            elif nb is not None:
+                st.block_ids.extend(nb[0])
+        return first
+
+    def _slots(self, block_ids: list[int], start: int, end: int):
+        pos = np.arange(start, end, dtype=np.int64)
+        bidx = np.asarray(block_ids, dtype=np.int64)[pos // self.block_size]
+        return pos, bidx, pos % self.block_size
+
+    def _verify(self, req_id: str, num_computed: int) -> None:
+        import torch
+
+        if num_computed <= 0:
+            return
+        req = self.scheduler.requests[req_id]
+        tokens = req.all_token_ids
+        hashes = np.asarray(
+            self._hashes_for(req_id, tokens, num_computed)[:num_computed], dtype=np.uint64
+        )
+        st = self._req_state[req_id]
+        pos, bidx, off = self._slots(st.block_ids, 0, num_computed)
+        nblocks = (num_computed + self.block_size - 1) // self.block_size
+        bad = np.zeros(nblocks, dtype=bool)
+        tb = torch.from_numpy(bidx)
+        to = torch.from_numpy(off)
+        for rk in self.ranks:
+            for li, bv in enumerate(rk.byte_views):
+                got = bv[tb, :, to, :].reshape(num_computed, -1).numpy()
+                exp = expected_token_bytes(hashes, pos, li, rk.rank, got.shape[1])
+                tok_bad = (got != exp).any(axis=1)
+                if tok_bad.any():
+                    bad |= np.bincount(
+                        pos[tok_bad] // self.block_size, minlength=nblocks
+                    )[:nblocks].astype(bool)
+                    if len(self.mismatches) < 16:
+                        p = int(pos[tok_bad][0])
+                        self.mismatches.append(
+                            dict(req_id=req_id, rank=rk.rank, layer=li, position=p,
+                                 block_id=int(bidx[p]))
+                        )
+        for i in range(nblocks):
+            bid = st.block_ids[i]
+            end = min((i + 1) * self.block_size, num_computed)
+            key = (int(hashes[end - 1]), end - i * self.block_size)
+            owner = self._block_owner.get(bid)
+            # A block the harness wrote with exactly this content is a local
+            # prefix-cache hit; anything else arrived from outside.
+            if owner is None or owner[0] != key[0] or owner[1] < key[1]:
+                self.stats["blocks_loaded"] += 1
+            if not bad[i]:
+                self._block_owner[bid] = key
+        self.stats["blocks_verified"] += nblocks
+        self.stats["blocks_mismatched"] += int(bad.sum())
+
+    def _forward_write(self, rk: _Rank, writes) -> None:
+        import torch
+
+        for li, name in enumerate(self.layer_names):
+            if rk.connector is not None:
+                rk.connector.wait_for_layer_load(name)
+            bv = rk.byte_views[li]
+            for pos, bidx, off, hashes in writes:
+                exp = expected_token_bytes(hashes, pos, li, rk.rank, self.token_bytes)
+                val = torch.from_numpy(exp).reshape(len(pos), bv.shape[1], bv.shape[3])
+                bv[torch.from_numpy(bidx), :, torch.from_numpy(off), :] = val
+            if rk.connector is not None:
+                rk.connector.save_kv_layer(
+                    name, rk.kv_caches[name], rk.forward_context.attn_metadata[name]
+                )
+
+    def step(self) -> dict:
+        """Run one engine step. Returns the EngineCoreOutputs dict of
+        update_from_output (possibly of the previous step with async
+        scheduling)."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        so = self.scheduler.schedule()
+        self.stats["steps"] += 1
+        first = self._update_block_tables(so)
+
+        # Prepare this step's writes (same for every rank, content differs).
+        writes = []
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            end = req.num_computed_tokens  # already advanced by schedule()
+            start = end - n
+            tokens = req.all_token_ids
+            h = self._hashes_for(req_id, tokens, end)
+            st = self._req_state[req_id]
+            pos, bidx, off = self._slots(st.block_ids, start, end)
+            hashes = np.asarray(h[start:end], dtype=np.uint64)
+            writes.append((pos, bidx, off, hashes))
+            self.stats["tokens_computed"] += n
+            req_ids.append(req_id)
+            if end >= req.num_tokens:
+                sampled.append([int(h[end - 1] % (self.vocab_size - 10)) + 10])
+            else:
+                sampled.append([])
+
+        outputs: list[Any] = []
+        for rk in self.ranks:
+            c = rk.connector
+            if c is not None:
+                meta = so.kv_connector_metadata
+                c.handle_preemptions(meta)
+                c.bind_connector_metadata(meta)
+                if so.has_sync_kv_loads:
+                    c.start_load_kv(rk.forward_context)
+            outputs.append(None)
+
+        # Verify after every rank's pre-forward part (sync loads) and before
+        # any forward (ranks are independent processes in vLLM, so running
+        # the phases rank by rank is equivalent).
+        if self.verify_enabled:
+            for req_id, nct in first:
+                self._verify(req_id, nct)
+
+        for i, rk in enumerate(self.ranks):
+            c = rk.connector
+            self._forward_write(rk, writes)
+            kv_out = None
+            if c is not None:
+                if not so.has_sync_kv_loads:
+                    c.start_load_kv(rk.forward_context)
+                c.wait_for_save()
+                tr = c.get_transfer_results(so.finished_req_ids)
+                kv_out = KVConnectorOutput(
+                    finished_sending=tr.finished_sending or None,
+                    finished_recving=tr.finished_recving or None,
+                    failed_recving=tr.failed_recving,
+                    invalid_block_ids=c.get_block_ids_with_load_errors(),
+                    kv_connector_stats=c.get_kv_connector_stats(),
+                    kv_cache_events=c.get_kv_connector_kv_cache_events(),
+                    kv_connector_worker_meta=c.build_connector_worker_meta(),
+                )
+                c.clear_connector_metadata()
+            outputs[i] = ModelRunnerOutput(
+                req_ids=list(req_ids),
+                req_id_to_index={r: j for j, r in enumerate(req_ids)},
+                sampled_token_ids=[list(s) for s in sampled],
+                logprobs=None,
+                prompt_logprobs_dict={},
+                pooler_output=None,
+                kv_connector_output=kv_out,
+            )
+        for pos, bidx, off, hashes in writes:
+            self._record_owner(bidx, off, hashes)
+
+        mro = outputs[0]
+        if self._aggregator is not None:
+            mro = self._aggregator.aggregate(outputs, 0)
+            kco = mro.kv_connector_output
+            if kco is not None:
+                self.stats["finished_recving"] += len(kco.finished_recving or ())
+                self.stats["finished_sending"] += len(kco.finished_sending or ())
+                self.stats["invalid_block_ids"] += len(kco.invalid_block_ids or ())
+                self.stats["failed_recving"] += len(kco.failed_recving or ())
+
+        if self.async_scheduling:
+            prev, self._pending = self._pending, (so, mro)
+            if prev is None:
+                return {}
+            return self._update(*prev)
+        return self._update(so, mro)
+
+    def _record_owner(self, bidx, off, hashes) -> None:
+        if len(bidx) == 0:
+            return
+        # last write per block wins; writes within a block are in order
+        last = {}
+        for b, o, h in zip(bidx.tolist(), off.tolist(), hashes.tolist()):
+            last[b] = (h, o + 1)
+        self._block_owner.update(last)
+
+    def _update(self, so, mro) -> dict:
+        from vllm.v1.request import RequestStatus
+
+        eco = self.scheduler.update_from_output(so, mro)
+        for outs in eco.values():
+            for o in outs.outputs:
+                self._outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.finished[o.request_id] = self._outputs.pop(o.request_id)
+                    self.stats["requests_finished"] += 1
+            st = outs.scheduler_stats
+            if st is not None:
+                pcs = st.prefix_cache_stats
+                if pcs is not None:
+                    self.stats["local_hit_tokens"] += int(pcs.hits)
+                cpcs = st.connector_prefix_cache_stats
+                if cpcs is not None:
+                    self.stats["external_hit_tokens"] += int(cpcs.hits)
+                if st.kv_connector_stats:
+                    self.kv_connector_stats.append(st.kv_connector_stats)
+        # requests freed without output (e.g. aborted) drop their state
+        for rid in list(self._req_state):
+            if rid not in self.scheduler.requests:
+                del self._req_state[rid]
+        self._collect_events()
+        return eco
+
+    def _collect_events(self) -> None:
+        pub = self.scheduler.kv_event_publisher
+        # The null publisher drops batches; wrap publish once to keep them.
+        if not getattr(pub, "_kvstore_harness_wrapped", False):
+            orig = pub.publish
+
+            def publish(batch, _orig=orig, _sink=self.events):
+                _sink.extend(batch.events)
+                return _orig(batch)
+
+            try:
+                pub.publish = publish
+                pub._kvstore_harness_wrapped = True
+            except Exception:  # pragma: no cover - publisher without __dict__
+                pass
+
+    def busy(self) -> bool:
+        """True while vLLM's EngineCore would keep stepping."""
+        return self.scheduler.has_requests() or self._pending is not None
+
+    def drain(self, max_steps: int = 10_000) -> None:
+        """Step until the engine would go idle (``Scheduler.has_requests()``
+        false). Raises HarnessError if that takes more than ``max_steps``."""
+        self._collect_events()
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                if self._pending is not None:
+                    prev, self._pending = self._pending, None
+                    self._update(*prev)
+                    continue
+                return
+            self.step()
+        raise HarnessError(
+            f"engine still busy after {max_steps} steps: "
+            f"{len(self.scheduler.requests)} requests, "
+            f"waiting={len(self.scheduler.waiting)}, "
+            f"kv_holding_waiting={len(self.scheduler.kv_holding_waiting)}, "
+            f"running={len(self.scheduler.running)}"
+        )
+
+    def idle_steps(self, n: int) -> None:
+        """Run ``n`` steps with nothing to schedule (vLLM's EngineCore does not
+        do this by itself; use it to let a connector finish background work)."""
+        for _ in range(n):
+            self.step()
+
+    def run(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int = 1,
+        *,
+        idle_steps: int = 0,
+        max_steps: int = 10_000,
+        cache_salt: str | None = None,
+    ) -> dict:
+        """Add ``prompts``, step until the engine is idle, return stats."""
+        for p in prompts:
+            self.add_request(p, max_tokens=max_tokens, cache_salt=cache_salt)
+        self.drain(max_steps)
+        if idle_steps:
+            self.idle_steps(idle_steps)
+            self.drain(max_steps)
+        return dict(self.stats)
+
+    # ------------------------------------------------------------ checks/etc
+
+    def assert_no_leaks(self) -> None:
+        s = self.scheduler
+        problems = []
+        if s.requests:
+            problems.append(f"requests={list(s.requests)}")
+        if len(s.waiting) or len(s.kv_holding_waiting) or s.running:
+            problems.append(
+                f"queues waiting={len(s.waiting)} "
+                f"kv_holding_waiting={len(s.kv_holding_waiting)} running={len(s.running)}"
+            )
+        if s.finished_req_ids:
+            problems.append(f"finished_req_ids={s.finished_req_ids}")
+        if s.finished_recving_kv_req_ids or s.failed_recving_kv_req_ids:
+            problems.append("recving sets not empty")
+        if s._inflight_prefills:
+            problems.append("inflight prefills")
+        mgr = s.kv_cache_manager
+        for stm in mgr.coordinator.single_type_managers:
+            if stm.req_to_blocks:
+                problems.append(f"req_to_blocks={list(stm.req_to_blocks)}")
+        pool = mgr.block_pool
+        held = [b.block_id for b in pool.blocks if b.ref_cnt != 0 and not b.is_null]
+        if held:
+            problems.append(f"blocks with ref_cnt>0: {held[:20]}")
+        free = pool.free_block_queue.num_free_blocks
+        if free != pool.num_gpu_blocks - 1:
+            problems.append(f"free blocks {free} != {pool.num_gpu_blocks - 1}")
+        if problems:
+            raise HarnessError("leak: " + "; ".join(problems))
+
+    def block_table(self, req_id: str) -> list[int]:
+        """Current group-0 block table of a scheduled request (harness view)."""
+        return list(self._req_state[req_id].block_ids)
+
+    def corrupt_block(self, block_id: int, rank: int = 0, layer: int = 0,
+                      byte: int = 0) -> None:
+        """Flip one byte of ``block_id`` in a rank's KV cache (test helper)."""
+        bv = self.ranks[rank].byte_views[layer]
+        flat = bv[block_id].reshape(-1)
+        flat[byte] ^= 0xFF
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for rk in self.ranks:
+            if rk.connector is not None:
+                rk.connector.shutdown()
+        try:
+            self.scheduler.shutdown()
+        finally:
+            if self._tmp is not None:
+                self._tmp.cleanup()
+
+    def __enter__(self) -> EngineHarness:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
