@@ -116,7 +116,7 @@ class Index:
             map_size = max(_MIN_MAP, cap * 512)
         try:
             env = lmdb.open(self._path, map_size=map_size, subdir=True, readonly=readonly,
-                            lock=True, sync=sync, metasync=sync, create=create, max_dbs=8,
+                            lock=True, sync=sync, metasync=False, create=create, max_dbs=8, mode=0o700,
                             readahead=False, max_spare_txns=4)
         except lmdb.Error as e:
             if "already open in this process" in str(e):
