@@ -222,11 +222,11 @@ class RankIO:
         offs = (s % self.geometry.slots_per_file) * self.slot_size
         return self._fds[fidx], offs.astype(np.uint64)
 
-    def _submit(self, opcode, refs, first: int):
+    def _submit(self, opcode, refs, stage_slots):
         fds, offs = self._locate([r.slot for r in refs])
-        n = len(refs)
-        addrs = self.staging.address + (np.arange(first, first + n, dtype=np.uint64) * np.uint64(self.slot_size))
-        lens = np.full(n, self.slot_size, dtype=np.uint32)
+        stage = np.asarray(stage_slots, dtype=np.uint64)
+        addrs = np.uint64(self.staging.address) + stage * np.uint64(self.slot_size)
+        lens = np.full(len(refs), self.slot_size, dtype=np.uint32)
         return self.ring.submit(opcode, fds, offs, addrs, lens), fds, offs
 
     def _error(self, opcode, res, fd, off, ref):
@@ -234,6 +234,63 @@ class RankIO:
         op = "write" if opcode == OP_WRITE else "read"
         return OSError(-int(res), f"{op} of slot {ref.slot} (offset {int(off)}) failed: "
                        f"{os.strerror(-int(res))}", name)
+
+    def write_staged(self, refs: Sequence[SlotRef], stage_slots: Sequence[int], *,
+                     durable: bool = True) -> list[Exception | None]:
+        """Write refs[i] from staging slot stage_slots[i] (payload already in place).
+
+        Stamps each header (key, slot, generation, payload checksum), submits the whole
+        batch, then fdatasyncs every touched file through the ring when `durable`.
+        Returns None per written (durable) slot, else the error.
+        """
+        self._check_open()
+        errors: list[Exception | None] = [None] * len(refs)
+        if not refs:
+            return errors
+        for ref, i in zip(refs, stage_slots):
+            base = i * self.slot_size
+            _slotfile.encode_header(self._stage_np[base:base + HEADER_SIZE], ref.key, ref.slot,
+                                    ref.generation, self.payload_len,
+                                    _slotfile.payload_checksum(self.payload_view(i)))
+        res, fds, offs = self._submit(OP_WRITE, refs, stage_slots)
+        for i in np.flatnonzero(res < 0):
+            errors[i] = self._error(OP_WRITE, res[i], fds[i], offs[i], refs[i])
+        if durable:
+            touched = sorted({int(fds[i]) for i in range(len(refs)) if res[i] >= 0})
+            if touched:
+                sres = self.ring.submit(2, touched, None, None, None)
+                bad = {touched[i]: int(sres[i]) for i in np.flatnonzero(sres < 0)}
+                for i in range(len(refs)):
+                    if errors[i] is None and int(fds[i]) in bad:
+                        err = -bad[int(fds[i])]
+                        errors[i] = OSError(err, f"fdatasync after writing slot {refs[i].slot} failed: "
+                                            f"{os.strerror(err)}")
+        return errors
+
+    def read_staged(self, refs: Sequence[SlotRef], stage_slots: Sequence[int], *,
+                    verify: str = "checksum") -> list[Exception | None]:
+        """Read refs[i] into staging slot stage_slots[i] and verify it.
+
+        None per verified slot; an OSError or CorruptSlot otherwise (never both data and
+        an error: a failed slot's staging bytes must not be used).
+        """
+        self._check_open()
+        _check_choice("verify", verify, VERIFY_MODES)
+        check_payload = verify == "checksum"
+        errors: list[Exception | None] = [None] * len(refs)
+        if not refs:
+            return errors
+        res, fds, offs = self._submit(OP_READ, refs, stage_slots)
+        for i, (ref, st) in enumerate(zip(refs, stage_slots)):
+            if res[i] < 0:
+                errors[i] = self._error(OP_READ, res[i], fds[i], offs[i], ref)
+                continue
+            try:
+                _slotfile.verify_slot(self.slot_view(st), ref.key, ref.slot, ref.generation,
+                                      self.payload_len, check_payload)
+            except CorruptSlot as exc:
+                errors[i] = exc
+        return errors
 
     def write_blocks(self, refs: Sequence[SlotRef], fill: Callable[[int, int, list[np.ndarray]], None],
                      *, durable: bool = True) -> list[Exception | None]:
@@ -243,29 +300,12 @@ class RankIO:
         error. Chunks of at most `staging_slots` go through staging memory.
         """
         self._check_open()
-        errors: list[Exception | None] = [None] * len(refs)
+        errors: list[Exception | None] = []
         step = self.staging_slots
         for start in range(0, len(refs), step):
             chunk = refs[start:start + step]
-            views = [self.payload_view(i) for i in range(len(chunk))]
-            fill(start, start + len(chunk), views)
-            for i, ref in enumerate(chunk):
-                _slotfile.encode_header(self.slot_view(i)[:HEADER_SIZE], ref.key, ref.slot,
-                                        ref.generation, self.payload_len,
-                                        _slotfile.payload_checksum(views[i]))
-            res, fds, offs = self._submit(OP_WRITE, chunk, 0)
-            for i in np.flatnonzero(res < 0):
-                errors[start + i] = self._error(OP_WRITE, res[i], fds[i], offs[i], chunk[i])
-            if durable:
-                touched = sorted({int(fds[i]) for i in range(len(chunk)) if res[i] >= 0})
-                if touched:
-                    sres = self.ring.submit(2, touched, None, None, None)
-                    if (sres < 0).any():
-                        bad = {touched[i]: int(sres[i]) for i in np.flatnonzero(sres < 0)}
-                        for i in range(len(chunk)):
-                            if errors[start + i] is None and int(fds[i]) in bad:
-                                errors[start + i] = OSError(-bad[int(fds[i])], "fdatasync failed: "
-                                                            + os.strerror(-bad[int(fds[i])]))
+            fill(start, start + len(chunk), [self.payload_view(i) for i in range(len(chunk))])
+            errors += self.write_staged(chunk, range(len(chunk)), durable=durable)
         return errors
 
     def read_blocks(self, refs: Sequence[SlotRef], drain: Callable[[int, int, list[np.ndarray], list], None],
@@ -276,28 +316,13 @@ class RankIO:
         otherwise; drain must not use the view of a failed block.
         """
         self._check_open()
-        _check_choice("verify", verify, VERIFY_MODES)
-        check_payload = verify == "checksum"
-        errors: list[Exception | None] = [None] * len(refs)
+        errors: list[Exception | None] = []
         step = self.staging_slots
         for start in range(0, len(refs), step):
             chunk = refs[start:start + step]
-            res, fds, offs = self._submit(OP_READ, chunk, 0)
-            chunk_errors: list[Exception | None] = []
-            for i, ref in enumerate(chunk):
-                if res[i] < 0:
-                    err = self._error(OP_READ, res[i], fds[i], offs[i], ref)
-                else:
-                    try:
-                        _slotfile.verify_slot(self.slot_view(i), ref.key, ref.slot, ref.generation,
-                                              self.payload_len, check_payload)
-                        err = None
-                    except CorruptSlot as exc:
-                        err = exc
-                chunk_errors.append(err)
-                errors[start + i] = err
-            views = [self.payload_view(i) for i in range(len(chunk))]
-            drain(start, start + len(chunk), views, chunk_errors)
+            chunk_errors = self.read_staged(chunk, range(len(chunk)), verify=verify)
+            drain(start, start + len(chunk), [self.payload_view(i) for i in range(len(chunk))], chunk_errors)
+            errors += chunk_errors
         return errors
 
     def read_headers(self, slots: Sequence[int]) -> list:

@@ -157,6 +157,7 @@ def expected_token_bytes(
 class _ReqState:
     block_ids: list[int] = field(default_factory=list)  # group 0 block table
     hashes: list[int] = field(default_factory=list)  # prefix hash per position
+    sampled: list[int] = field(default_factory=list)  # tokens the harness emitted
 
 
 @dataclass
@@ -210,8 +211,6 @@ class EngineHarness:
         hash_algo: str = "sha256",
         verify: bool = True,
     ):
-        import torch
-
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -329,6 +328,7 @@ class EngineHarness:
         self.kv_connector_stats: list[Any] = []
         self.finished: dict[str, list[int]] = {}  # req id -> output token ids
         self._outputs: dict[str, list[int]] = {}
+        self._last_tables: dict[str, list[int]] = {}  # block tables of freed reqs
         self._req_state: dict[str, _ReqState] = {}
         # block id -> (prefix hash of last written token, tokens written in
         # the block) for blocks the harness forward wrote itself.
@@ -336,8 +336,8 @@ class EngineHarness:
         self._req_counter = itertools.count()
         self._hid = next(_HARNESS_IDS)
         self._pending: tuple[Any, Any] | None = None  # async scheduling lag
-        self._hash_cache: dict[tuple[int, ...], list[int]] = {}
         self._closed = False
+        self._collect_events()  # hook the publisher before the first step
 
     # ------------------------------------------------------------------ setup
 
@@ -480,6 +480,12 @@ class EngineHarness:
 
     # -------------------------------------------------------------- stepping
 
+    def _tokens(self, req_id: str) -> list[int]:
+        # prompt + the tokens this harness sampled: with async scheduling the
+        # scheduler's all_token_ids lags one token behind the worker.
+        req = self.scheduler.requests[req_id]
+        return list(req.prompt_token_ids) + self._req_state[req_id].sampled
+
     def _hashes_for(self, req_id: str, tokens: Sequence[int], upto: int) -> list[int]:
         st = self._req_state.setdefault(req_id, _ReqState())
         h = st.hashes
@@ -519,8 +525,7 @@ class EngineHarness:
 
         if num_computed <= 0:
             return
-        req = self.scheduler.requests[req_id]
-        tokens = req.all_token_ids
+        tokens = self._tokens(req_id)
         hashes = np.asarray(
             self._hashes_for(req_id, tokens, num_computed)[:num_computed], dtype=np.uint64
         )
@@ -593,20 +598,21 @@ class EngineHarness:
             req = self.scheduler.requests[req_id]
             end = req.num_computed_tokens  # already advanced by schedule()
             start = end - n
-            tokens = req.all_token_ids
-            h = self._hashes_for(req_id, tokens, end)
             st = self._req_state[req_id]
+            tokens = self._tokens(req_id)
+            h = self._hashes_for(req_id, tokens, end)
             pos, bidx, off = self._slots(st.block_ids, start, end)
-            hashes = np.asarray(h[start:end], dtype=np.uint64)
-            writes.append((pos, bidx, off, hashes))
+            writes.append((pos, bidx, off, np.asarray(h[start:end], dtype=np.uint64)))
             self.stats["tokens_computed"] += n
             req_ids.append(req_id)
-            if end >= req.num_tokens:
-                sampled.append([int(h[end - 1] % (self.vocab_size - 10)) + 10])
+            if end >= len(req.prompt_token_ids) and end >= len(tokens):
+                tok = int(h[end - 1] % (self.vocab_size - 10)) + 10
+                st.sampled.append(tok)
+                sampled.append([tok])
             else:
                 sampled.append([])
 
-        outputs: list[Any] = []
+        # Phase 1, every rank: bind metadata, synchronous loads.
         for rk in self.ranks:
             c = rk.connector
             if c is not None:
@@ -615,18 +621,22 @@ class EngineHarness:
                 c.bind_connector_metadata(meta)
                 if so.has_sync_kv_loads:
                     c.start_load_kv(rk.forward_context)
-            outputs.append(None)
-
-        # Verify after every rank's pre-forward part (sync loads) and before
-        # any forward (ranks are independent processes in vLLM, so running
-        # the phases rank by rank is equivalent).
+        # Phase 2, every rank: forward (writes this step's tokens).
+        for rk in self.ranks:
+            self._forward_write(rk, writes)
+        for pos, bidx, off, hashes in writes:
+            self._record_owner(bidx, off, hashes)
+        # Verify the prefix every newly scheduled request starts from. After
+        # the forward, because a request may hit blocks that another request
+        # computes in this same step (the attention kernel would read them
+        # after the KV write of the layer, as in vLLM).
         if self.verify_enabled:
             for req_id, nct in first:
                 self._verify(req_id, nct)
-
-        for i, rk in enumerate(self.ranks):
+        # Phase 3, every rank: async load start, save, results.
+        outputs: list[Any] = []
+        for rk in self.ranks:
             c = rk.connector
-            self._forward_write(rk, writes)
             kv_out = None
             if c is not None:
                 if not so.has_sync_kv_loads:
@@ -643,17 +653,17 @@ class EngineHarness:
                     kv_connector_worker_meta=c.build_connector_worker_meta(),
                 )
                 c.clear_connector_metadata()
-            outputs[i] = ModelRunnerOutput(
-                req_ids=list(req_ids),
-                req_id_to_index={r: j for j, r in enumerate(req_ids)},
-                sampled_token_ids=[list(s) for s in sampled],
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=None,
-                kv_connector_output=kv_out,
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=list(req_ids),
+                    req_id_to_index={r: j for j, r in enumerate(req_ids)},
+                    sampled_token_ids=[list(x) for x in sampled],
+                    logprobs=None,
+                    prompt_logprobs_dict={},
+                    pooler_output=None,
+                    kv_connector_output=kv_out,
+                )
             )
-        for pos, bidx, off, hashes in writes:
-            self._record_owner(bidx, off, hashes)
 
         mro = outputs[0]
         if self._aggregator is not None:
@@ -704,7 +714,7 @@ class EngineHarness:
         # requests freed without output (e.g. aborted) drop their state
         for rid in list(self._req_state):
             if rid not in self.scheduler.requests:
-                del self._req_state[rid]
+                self._last_tables[rid] = self._req_state.pop(rid).block_ids
         self._collect_events()
         return eco
 
@@ -805,15 +815,21 @@ class EngineHarness:
             raise HarnessError("leak: " + "; ".join(problems))
 
     def block_table(self, req_id: str) -> list[int]:
-        """Current group-0 block table of a scheduled request (harness view)."""
-        return list(self._req_state[req_id].block_ids)
+        """Group-0 block table of a request as the worker saw it last (also
+        after the request finished)."""
+        st = self._req_state.get(req_id)
+        if st is not None:
+            return list(st.block_ids)
+        return list(self._last_tables[req_id])
 
     def corrupt_block(self, block_id: int, rank: int = 0, layer: int = 0,
                       byte: int = 0) -> None:
         """Flip one byte of ``block_id`` in a rank's KV cache (test helper)."""
-        bv = self.ranks[rank].byte_views[layer]
-        flat = bv[block_id].reshape(-1)
-        flat[byte] ^= 0xFF
+        bv = self.ranks[rank].byte_views[layer]  # [B, H, N, Cbytes], strided
+        _, nh, nn, nc = bv.shape
+        hi, rest = divmod(byte % (nh * nn * nc), nn * nc)
+        ni, ci = divmod(rest, nc)
+        bv[block_id, hi, ni, ci] ^= 0xFF
 
     def shutdown(self) -> None:
         if self._closed:
