@@ -144,8 +144,11 @@ class RankIO:
 
     def __init__(self, store_dir: str, rank: int = 0, *, layout: Layout | None = None,
                  io_mode: str = "direct", queue_depth: int = 32, staging_bytes: int = 64 << 20,
-                 readonly: bool = False, staging: HostBuffer | None = None):
+                 readonly: bool = False, staging: HostBuffer | None = None,
+                 missing_ok: bool = False):
         _check_choice("io_mode", io_mode, IO_MODES)
+        if missing_ok and not readonly:
+            raise ConfigError("RankIO: missing_ok=True is only for readonly openers (fsck)")
         stored, geo, _ = read_fingerprint(store_dir)
         if layout is not None:
             check_layout(store_dir, stored, layout)
@@ -158,15 +161,32 @@ class RankIO:
         self.payload_len = stored.block_bytes
         self.slot_size = geo.slot_size
         self.files: list[SlotFile] = []
+        # missing_ok (fsck): slot files that cannot be opened (missing, wrong size, symlink)
+        # are listed here, file index -> reason, and every I/O on their slots fails EBADF.
+        self.bad_files: dict[int, str] = {}
         self.ring = None
         self._own_staging = staging is None
         self.staging = None
         try:
-            _check_dir(rank_dir(store_dir, rank))
+            try:
+                _check_dir(rank_dir(store_dir, rank))
+                dir_error = None
+            except KVStoreError as exc:
+                if not missing_ok:
+                    raise
+                dir_error = str(exc)
             for i in range(geo.num_files):
-                self.files.append(SlotFile(slot_file_path(store_dir, rank, i), geo.slot_size,
-                                           geo.file_slots(i), direct=(io_mode == "direct"),
-                                           readonly=readonly))
+                if dir_error is not None:
+                    self.bad_files[i] = dir_error
+                    continue
+                try:
+                    self.files.append(SlotFile(slot_file_path(store_dir, rank, i), geo.slot_size,
+                                               geo.file_slots(i), direct=(io_mode == "direct"),
+                                               readonly=readonly))
+                except (KVStoreError, OSError) as exc:
+                    if not missing_ok:
+                        raise
+                    self.bad_files[i] = str(exc)
             if staging is None:
                 n = max(1, staging_bytes // geo.slot_size)
                 staging = HostBuffer(n * geo.slot_size)
@@ -176,11 +196,17 @@ class RankIO:
                 raise ConfigError(f"staging memory of {staging.nbytes} bytes holds no slot of {geo.slot_size}")
             self.ring = Ring(queue_depth)
             self.ring.register_buffers([staging])
-            self.ring.register_files([f.fd for f in self.files], [f.path for f in self.files])
+            if self.files:
+                self.ring.register_files([f.fd for f in self.files], [f.path for f in self.files])
         except BaseException:
             self.close()
             raise
-        self._fds = np.array([f.fd for f in self.files], dtype=np.int32)
+        if self.bad_files:
+            good = iter(self.files)
+            self._fds = np.array([-1 if i in self.bad_files else next(good).fd
+                                  for i in range(geo.num_files)], dtype=np.int32)
+        else:
+            self._fds = np.array([f.fd for f in self.files], dtype=np.int32)
         self._stage_np = staging.numpy()
 
     def close(self):
@@ -191,6 +217,7 @@ class RankIO:
         for f in self.files:
             f.close()
         self.files = []
+        self.bad_files = {}
         if self.staging is not None:
             self._stage_np = None
             if self._own_staging:
@@ -346,6 +373,55 @@ class RankIO:
                 except CorruptSlot as exc:
                     out.append(exc)
         return out
+
+    def scan_slots(self, slots: Sequence[int], consume: Callable[[int, int, list[np.ndarray], np.ndarray], None],
+                   *, overlap: bool = True) -> None:
+        """Read whole slot images (header + payload) of `slots`, unverified (fsck --deep,
+        index rebuild): `consume(start, stop, images, results)` gets uint8 views of the
+        images of slots[start:stop] (valid only during the call) and, per slot, the bytes
+        read or -errno. With `overlap`, staging memory is split in two halves and the ring
+        reads the next batch on a helper thread while `consume` runs on this one, so a
+        checksumming consumer does not leave the device idle. The ring is only ever used
+        by one thread at a time.
+        """
+        self._check_open()
+        slots = np.asarray(slots, dtype=np.int64)
+        n = len(slots)
+        if n == 0:
+            return
+        per = self.staging_slots // 2 if overlap and self.staging_slots >= 2 else self.staging_slots
+        lens = np.full(per, self.slot_size, dtype=np.uint32)
+
+        def read(start: int, base: int):
+            chunk = slots[start:start + per]
+            fds, offs = self._locate(chunk)
+            addrs = self.staging.address + (np.arange(base, base + len(chunk), dtype=np.uint64)
+                                            * np.uint64(self.slot_size))
+            return self.ring.submit(OP_READ, fds, offs, addrs, lens[:len(chunk)])
+
+        if per == self.staging_slots:  # no overlap: one buffer, one thread
+            for start in range(0, n, per):
+                res = read(start, 0)
+                stop = min(start + per, n)
+                consume(start, stop, [self.slot_view(j) for j in range(stop - start)], res)
+            return
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(1, thread_name_prefix="kvstore-scan") as pool:
+            pending = pool.submit(read, 0, 0)
+            start, half = 0, 0
+            try:
+                while start < n:
+                    res = pending.result()
+                    stop = min(start + per, n)
+                    if stop < n:
+                        pending = pool.submit(read, stop, (1 - half) * per)
+                    base = half * per
+                    consume(start, stop, [self.slot_view(base + j) for j in range(stop - start)], res)
+                    start, half = stop, 1 - half
+            finally:
+                # Never return (or unwind into close()) while the helper still reads into
+                # staging memory.
+                pending.cancel() or pending.exception()
 
 
 class DiskStore:
@@ -608,3 +684,38 @@ class DiskStore:
             self.touch(list(out))
         self.count_hits(len(out), 0 if len(out) == len(keys) else 1)
         return out
+
+
+def ensure_store(path: str, layout: Layout, capacity=None, *, io_mode: str = "direct",
+                 create: bool = True) -> str:
+    """Make sure a store for `layout` exists at `path`; create it once, race-free.
+
+    Every process of a serving engine (scheduler and each TP worker) calls this at start;
+    the first one creates the store under a blocking flock, the others wait for it and
+    then read the same geometry from kvstore.json, so all ranks agree on the slot count
+    without talking to each other. Refuses a store of another layout (LayoutMismatch).
+    """
+    path = os.path.abspath(path)
+    fp = os.path.join(path, "kvstore.json")
+    if not os.path.lexists(fp):
+        if not create:
+            raise StoreNotFound(f"no kvstore store at {path} and create is false")
+        if capacity is None:
+            raise ConfigError(f"no kvstore store at {path} yet: give a capacity (e.g. \"500G\") "
+                              "to create one")
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent):
+            raise StoreNotFound(f"cannot create store {path}: parent directory {parent} does not exist")
+        _safe_mkdir(path)
+        lock_fd = os.open(os.path.join(path, ".create.lock"),
+                          os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            if not os.path.lexists(fp):
+                DiskStore.create(path, layout, capacity, io_mode=io_mode).close()
+        finally:
+            os.close(lock_fd)
+    _check_dir(path)
+    stored, _, _ = read_fingerprint(path)
+    check_layout(path, stored, layout)
+    return path

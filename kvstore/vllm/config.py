@@ -1,0 +1,125 @@
+"""`kv_connector_extra_config` of the kvstore connector: parsing and validation.
+
+Every key is checked with an error that names the key, the bad value and the accepted
+values (docs/CONFIG.md lists them). Also derives the store `Layout` from vLLM's config,
+the same way on the scheduler and on every worker, so they agree without talking.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kvstore.errors import ConfigError
+from kvstore.layout import Layout, parse_size
+
+DETERMINISTIC_HASHES = ("sha256", "sha256_cbor")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    path: str
+    capacity: int | None = None
+    io_mode: str = "direct"
+    queue_depth: int = 32
+    store_policy: str = "eager"
+    verify: str = "checksum"
+    durability: str = "fdatasync"
+    staging_bytes: int = 256 << 20
+    load_timeout_s: float = 30.0
+    max_store_blocks_per_step: int = 4096
+    create: bool = True
+
+    @classmethod
+    def from_extra_config(cls, extra: dict | None) -> "ConnectorConfig":
+        extra = dict(extra or {})
+        known = {"path", "capacity", "io_mode", "queue_depth", "store_policy", "verify",
+                 "durability", "staging", "load_timeout_s", "max_store_blocks_per_step", "create"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"kvstore: unknown kv_connector_extra_config key(s) {unknown}; "
+                              f"valid keys: {sorted(known)} (see docs/CONFIG.md)")
+        path = extra.get("path")
+        if not isinstance(path, str) or not path:
+            raise ConfigError('kvstore: kv_connector_extra_config needs "path": the store '
+                              'directory on local NVMe, e.g. {"path": "/mnt/nvme/kvstore", '
+                              '"capacity": "500G"}')
+
+        def choice(key, default, choices):
+            v = extra.get(key, default)
+            if v not in choices:
+                raise ConfigError(f"kvstore: {key}={v!r} is not valid; choose one of {', '.join(choices)}")
+            return v
+
+        def integer(key, default, lo, hi):
+            v = extra.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ConfigError(f"kvstore: {key}={v!r} must be an integer in {lo}..{hi}")
+            return v
+
+        capacity = extra.get("capacity")
+        capacity = None if capacity is None else parse_size(capacity)
+        staging = parse_size(extra.get("staging", 256 << 20))
+        timeout = extra.get("load_timeout_s", 30.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ConfigError(f"kvstore: load_timeout_s={timeout!r} must be a positive number of seconds")
+        create = extra.get("create", True)
+        if not isinstance(create, bool):
+            raise ConfigError(f"kvstore: create={create!r} must be true or false")
+        return cls(
+            path=os.path.abspath(os.path.expanduser(path)),
+            capacity=capacity,
+            io_mode=choice("io_mode", "direct", ("direct", "page_cache")),
+            queue_depth=integer("queue_depth", 32, 1, 4096),
+            store_policy=choice("store_policy", "eager", ("eager", "lazy")),
+            verify=choice("verify", "checksum", ("checksum", "header")),
+            durability=choice("durability", "fdatasync", ("fdatasync", "none")),
+            staging_bytes=staging,
+            load_timeout_s=float(timeout),
+            max_store_blocks_per_step=integer("max_store_blocks_per_step", 4096, 1, 1 << 20),
+            create=create,
+        )
+
+
+def layout_from_vllm(vllm_config, kv_cache_config) -> Layout:
+    """The store layout of this engine: what makes its KV bytes interchangeable."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(
+            f"kvstore supports models with one KV cache group (full attention); this model has "
+            f"{len(groups)} groups (hybrid/sliding-window). Remove the kvstore connector for it.")
+    spec = groups[0].kv_cache_spec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    if not isinstance(spec, FullAttentionSpec):
+        raise ConfigError(f"kvstore supports full-attention KV caches, not {type(spec).__name__}")
+    pc = vllm_config.parallel_config
+    if getattr(pc, "pipeline_parallel_size", 1) != 1:
+        raise ConfigError("kvstore does not support pipeline parallelism yet (pipeline_parallel_size > 1)")
+    cc = vllm_config.cache_config
+    hash_algo = getattr(cc, "prefix_caching_hash_algo", "sha256")
+    if hash_algo not in DETERMINISTIC_HASHES and not os.environ.get("PYTHONHASHSEED"):
+        raise ConfigError(
+            f"kvstore needs block hashes that are the same in every process and after a restart; "
+            f"prefix_caching_hash_algo={hash_algo!r} is seeded randomly per process. Use "
+            "--prefix-caching-hash-algo sha256 (the default) or set PYTHONHASHSEED.")
+    layout_name = getattr(cc, "kv_cache_layout", None) or ""
+    # The payload is the pages of all layers concatenated; a page's inner order (NHC or
+    # HNC) is what matters, not whether layers or blocks are outermost in GPU memory.
+    page_format = layout_name[-3:] if len(layout_name) >= 3 else layout_name
+    num_layers = len(groups[0].layer_names)
+    return Layout(
+        model=str(vllm_config.model_config.model),
+        dtype=str(spec.dtype).replace("torch.", ""),
+        block_size=int(spec.block_size),
+        block_bytes=int(spec.page_size_bytes) * num_layers,
+        num_layers=num_layers,
+        num_kv_heads=int(spec.num_kv_heads),
+        head_dim=int(spec.head_size),
+        tp_size=int(pc.tensor_parallel_size),
+        hash_algo=str(hash_algo),
+        kv_layout=f"pages:{page_format}",
+    )
+
+
+def block_key(block_hash: bytes, group_id: int = 0) -> bytes:
+    """Store key of a block: vLLM's BlockHashWithGroupId (hash + 4-byte big-endian group)."""
+    return bytes(block_hash) + group_id.to_bytes(4, "big")

@@ -1,0 +1,152 @@
+"""`KVStoreConnector`: kvstore as a vLLM 0.33 KV-connector plugin.
+
+Enable with::
+
+    --kv-transfer-config '{"kv_connector":"KVStoreConnector","kv_connector_module_path":"kvstore.vllm",
+      "kv_role":"kv_both","kv_load_failure_policy":"recompute",
+      "kv_connector_extra_config":{"path":"/mnt/nvme/kvstore","capacity":"500G"}}'
+
+(or just "kv_connector":"KVStoreConnector": the package registers that name through a
+`vllm.general_plugins` entry point). This class only dispatches: the scheduler role goes
+to `KVStoreScheduler` (decides, no I/O), the worker role to `KVStoreWorker` (moves bytes).
+This package is the only place in kvstore that imports vLLM.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorRole, SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvstore.vllm.config import ConnectorConfig, layout_from_vllm
+from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta
+from kvstore.vllm.metrics import KVStorePromMetrics, KVStoreStats
+
+log = logging.getLogger("kvstore.vllm")
+
+
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """A persistent NVMe tier for vLLM's prefix cache (see the module docstring)."""
+
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.cfg = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        self.layout = layout_from_vllm(vllm_config, kv_cache_config)
+        self.scheduler = None
+        self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from kvstore.vllm.scheduler import KVStoreScheduler
+            kv_events = getattr(vllm_config, "kv_events_config", None)
+            events = bool(kv_events and kv_events.enable_kv_cache_events)
+            self.scheduler = KVStoreScheduler(self.cfg, self.layout, vllm_config, events)
+            log.info("kvstore: serving store %s (%s)", self.cfg.path, self.scheduler.store.stats())
+        self._rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache is best effort: a preempted request simply recomputes.
+        return False
+
+    # ==== worker side ================================================================
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from kvstore.vllm.worker import KVStoreWorker
+        self.worker = KVStoreWorker(self.cfg, self.layout, self._rank, kv_caches, self._kv_cache_config)
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, KVStoreMetadata):
+            self.worker.bind(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        # Stores are copied out of the KV cache within the step that planned them, so a
+        # preempted request's blocks can be reused at once; nothing to flush.
+        return None
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        if self.worker is not None:
+            self.worker.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        if self.worker is not None:
+            self.worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]):
+        if self.worker is None:
+            return None, None
+        return self.worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
+
+    def build_connector_worker_meta(self):
+        return self.worker.build_worker_meta() if self.worker is not None else None
+
+    def get_kv_connector_stats(self):
+        if self.worker is not None:
+            return self.worker.get_stats()
+        if self.scheduler is not None:
+            return self.scheduler.get_stats()
+        return None
+
+    def shutdown(self):
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+
+    # ==== scheduler side =============================================================
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler is not None:
+            self.scheduler.bind(kv_cache_manager)
+
+    def on_new_request(self, request) -> None:
+        if self.scheduler is not None:
+            self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVStoreMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids):
+        return self.scheduler.request_finished(request)
+
+    def request_finished_all_groups(self, request, block_ids):
+        return self.scheduler.request_finished(request)
+
+    def take_events(self):
+        return self.scheduler.take_events() if self.scheduler is not None else ()
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps the engine stepping until every in-flight store is committed.
+        return self.scheduler is not None and self.scheduler.has_pending_stores()
+
+    def reset_cache(self) -> bool | None:
+        return self.scheduler.reset_cache() if self.scheduler is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return KVStoreStats(data=dict(data)) if data is not None else KVStoreStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

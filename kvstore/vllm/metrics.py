@@ -1,0 +1,82 @@
+"""Connector statistics (`KVConnectorStats`) and Prometheus metrics for kvstore."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics, KVConnectorStats,
+)
+
+COUNTERS = {
+    "hit_blocks": "Blocks found in the disk store at lookup (longest prefix)",
+    "miss_lookups": "Lookups that found no block on disk",
+    "hit_tokens": "Prompt tokens served from disk instead of recomputed",
+    "loaded_blocks": "Blocks read from disk, verified and copied into the KV cache",
+    "loaded_bytes": "Payload bytes loaded from disk",
+    "stored_blocks": "Blocks written to disk and committed to the index",
+    "stored_bytes": "Payload bytes written to disk",
+    "store_dropped_blocks": "Blocks not stored (store full, staging full or write error)",
+    "evicted_blocks": "Blocks evicted from the disk store (LRU)",
+    "load_failures": "Blocks whose load failed (I/O error, checksum mismatch, timeout): recomputed",
+}
+GAUGES = {
+    "used_slots": "Slots holding a committed block",
+    "free_slots": "Free slots",
+}
+
+
+@dataclass
+class KVStoreStats(KVConnectorStats):
+    """Counters since the last reset; gauges are last-known values."""
+
+    def __post_init__(self):
+        for k in COUNTERS:
+            self.data.setdefault(k, 0)
+
+    def reset(self):
+        self.data = {k: 0 for k in COUNTERS}
+
+    def add(self, **kw):
+        for k, v in kw.items():
+            self.data[k] = self.data.get(k, 0) + v
+
+    def aggregate(self, other: KVConnectorStats) -> "KVStoreStats":
+        for k, v in other.data.items():
+            if k in GAUGES:
+                self.data[k] = v
+            else:
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out = {k: self.data.get(k, 0) for k in COUNTERS}
+        for k in GAUGES:
+            if k in self.data:
+                out[k] = self.data[k]
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k, 0) for k in COUNTERS)
+
+
+class KVStorePromMetrics(KVConnectorPromMetrics):
+    """`vllm:kvstore_*` counters and gauges, one child per engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {}
+        self.gauges = {}
+        for k, doc in COUNTERS.items():
+            m = self._counter_cls(name=f"vllm:kvstore_{k}", documentation=doc, labelnames=labelnames)
+            self.counters[k] = {e: m.labels(*v) for e, v in per_engine_labelvalues.items()}
+        for k, doc in GAUGES.items():
+            m = self._gauge_cls(name=f"vllm:kvstore_{k}", documentation=doc, labelnames=labelnames)
+            self.gauges[k] = {e: m.labels(*v) for e, v in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for k, v in transfer_stats_data.items():
+            if k in self.counters and v:
+                self.counters[k][engine_idx].inc(v)
+            elif k in self.gauges:
+                self.gauges[k][engine_idx].set(v)

@@ -1,0 +1,287 @@
+"""Worker side of the kvstore connector: moves bytes, reports completions.
+
+Owns one TP rank's slot files, io_uring ring and staging memory (through
+`kvstore.engine.RankIO`), the device<->staging copies (`kvstore.transfer.KVTransfer`) and
+one I/O thread that is the only user of the ring. Stores are copied out of the KV cache
+within the step that computed them (`wait_for_save`), then written and made durable in
+the background; loads are read, verified and copied into the KV cache in the background
+and reported through `get_finished`. Any failure becomes a per-block report (the
+scheduler drops the entry; vLLM recomputes the block); nothing raises into the engine
+and nothing waits forever (loads time out after `load_timeout_s`).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvstore.engine import RankIO, SlotRef, ensure_store
+from kvstore.errors import KVStoreError
+from kvstore.transfer import KVTransfer, register_host_memory
+from kvstore.vllm.config import ConnectorConfig
+from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob
+from kvstore.vllm.metrics import KVStoreStats
+
+log = logging.getLogger("kvstore.vllm.worker")
+
+
+class StagingSlots:
+    """Free list of staging slots shared by the step thread and the I/O thread."""
+
+    def __init__(self, n: int):
+        self._free = list(range(n - 1, -1, -1))
+        self._cv = threading.Condition()
+        self.total = n
+
+    def take(self, n: int, timeout: float | None = 0.0) -> list[int] | None:
+        with self._cv:
+            if timeout:
+                self._cv.wait_for(lambda: len(self._free) >= n, timeout)
+            if len(self._free) < n:
+                return None
+            return [self._free.pop() for _ in range(n)]
+
+    def give(self, slots) -> None:
+        with self._cv:
+            self._free.extend(slots)
+            self._cv.notify_all()
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+
+@dataclass
+class _LoadState:
+    job: LoadJob
+    started: float
+    done: bool = False
+    cancelled: bool = False
+    failed_idx: set = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class KVStoreWorker:
+    """Per-rank worker-side state of the connector (see module docstring)."""
+
+    def __init__(self, cfg: ConnectorConfig, layout, rank: int, kv_caches, kv_cache_config):
+        self.cfg = cfg
+        self.rank = rank
+        ensure_store(cfg.path, layout, cfg.capacity, io_mode=cfg.io_mode, create=cfg.create)
+        self.io = RankIO(cfg.path, rank, layout=layout, io_mode=cfg.io_mode,
+                         queue_depth=cfg.queue_depth, staging_bytes=cfg.staging_bytes)
+        try:
+            stage_t = self.io.staging.torch()
+            self.transfer = KVTransfer(kv_caches, kv_cache_config, stage_t, self.io.slot_size)
+            if self.transfer.block_bytes != layout.block_bytes:
+                raise KVStoreError(f"KV cache blocks are {self.transfer.block_bytes} bytes, the "
+                                   f"layout says {layout.block_bytes}")
+            if self.transfer.cuda:
+                register_host_memory(stage_t)
+        except BaseException:
+            self.io.close()
+            raise
+        self.slots = StagingSlots(self.io.staging_slots)
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._loads: dict[str, _LoadState] = {}
+        self._finished_loads: set[str] = set()
+        self._bad_block_ids: set[int] = set()
+        self._bad_keys: list[bytes] = []
+        self._store_reports: dict[int, list] = {}
+        self._stats = KVStoreStats()
+        self._meta: KVStoreMetadata | None = None
+        self._started_jobs: set[int] = set()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"kvstore-io-rank{rank}", daemon=True)
+        self._thread.start()
+
+    # -- step hooks ------------------------------------------------------------------
+    def bind(self, meta: KVStoreMetadata) -> None:
+        # The metadata object may be shared by several ranks in one process: never mutate
+        # it; remember which of its jobs this rank already started instead.
+        self._meta = meta
+        self._started_jobs: set[int] = set()
+        # The previous step's gathers must finish (GPU-side) before this step's forward
+        # may overwrite a block they read.
+        self.transfer.fence()
+
+    def start_load_kv(self) -> None:
+        meta = self._meta
+        if meta is None:
+            return
+        for job in meta.loads:
+            if job.job_id in self._started_jobs:
+                continue
+            self._started_jobs.add(job.job_id)
+            st = _LoadState(job, time.monotonic())
+            with self._lock:
+                self._loads[job.req_id] = st
+            self._jobs.put(("load", st))
+
+    def wait_for_save(self) -> None:
+        meta = self._meta
+        if meta is None:
+            return
+        for job in meta.stores:
+            if job.job_id not in self._started_jobs:
+                self._started_jobs.add(job.job_id)
+                self._start_store(job)
+
+    def _start_store(self, job: StoreJob) -> None:
+        n = len(job.block_ids)
+        stage = self.slots.take(n)
+        if stage is None:
+            # Staging is full of writes still in flight: drop this store, don't block.
+            self._report_store(job.job_id, list(range(n)))
+            self._stats.add(store_dropped_blocks=n)
+            return
+        try:
+            event = self.transfer.gather(job.block_ids, stage)
+        except Exception as exc:
+            self.slots.give(stage)
+            log.warning("kvstore rank %d: gather for store failed: %s", self.rank, exc)
+            self._report_store(job.job_id, list(range(n)))
+            return
+        self._jobs.put(("store", job, stage, event))
+
+    # -- the I/O thread --------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            try:
+                if item[0] == "store":
+                    self._do_store(*item[1:])
+                else:
+                    self._do_load(item[1])
+            except Exception as exc:  # a bug must not kill the I/O thread silently
+                log.exception("kvstore rank %d: I/O job failed: %s", self.rank, exc)
+
+    def _do_store(self, job: StoreJob, stage: list[int], event) -> None:
+        refs = [SlotRef(k, s, g) for k, s, g in zip(job.keys, job.slots, job.generations)]
+        try:
+            KVTransfer.wait(event)
+            errors = self.io.write_staged(refs, stage, durable=self.cfg.durability == "fdatasync")
+        except Exception as exc:
+            errors = [exc] * len(refs)
+        finally:
+            self.slots.give(stage)
+        failed = [i for i, e in enumerate(errors) if e is not None]
+        if failed:
+            log.warning("kvstore rank %d: %d of %d block writes failed (first: %s); they are "
+                        "not committed", self.rank, len(failed), len(refs), errors[failed[0]])
+        self._stats.add(stored_bytes=(len(refs) - len(failed)) * self.io.payload_len)
+        self._report_store(job.job_id, failed)
+
+    def _report_store(self, job_id: int, failed: list[int]) -> None:
+        with self._lock:
+            self._store_reports[job_id] = [1, failed]
+
+    def _do_load(self, st: _LoadState) -> None:
+        job = st.job
+        refs = [SlotRef(k, s, g) for k, s, g in zip(job.keys, job.slots, job.generations)]
+        step = max(1, min(len(refs), self.slots.total // 2 or 1))
+        failed: set[int] = set()
+        for start in range(0, len(refs), step):
+            if st.cancelled:
+                break
+            chunk = refs[start:start + step]
+            stage = self.slots.take(len(chunk), timeout=self.cfg.load_timeout_s)
+            if stage is None:
+                failed.update(range(start, len(refs)))
+                break
+            try:
+                errors = self.io.read_staged(chunk, stage, verify=self.cfg.verify)
+                good = [i for i, e in enumerate(errors) if e is None]
+                for i, e in enumerate(errors):
+                    if e is not None:
+                        failed.add(start + i)
+                        log.warning("kvstore rank %d: load of block %d of request %s failed: %s; "
+                                    "it will be recomputed", self.rank, start + i, job.req_id, e)
+                with st.lock:
+                    if st.cancelled:
+                        break
+                    ev = self.transfer.scatter([stage[i] for i in good],
+                                               [job.block_ids[start + i] for i in good])
+                    KVTransfer.wait(ev)
+            except Exception as exc:
+                failed.update(range(start, start + len(chunk)))
+                log.warning("kvstore rank %d: load of request %s failed: %s", self.rank, job.req_id, exc)
+            finally:
+                self.slots.give(stage)
+        with st.lock:
+            if st.cancelled:
+                return
+            st.failed_idx = failed
+            st.done = True
+        self._stats.add(loaded_blocks=len(refs) - len(failed),
+                        loaded_bytes=(len(refs) - len(failed)) * self.io.payload_len,
+                        load_failures=len(failed))
+
+    # -- reports to the scheduler ----------------------------------------------------
+    def _collect_loads(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            items = list(self._loads.items())
+        for req_id, st in items:
+            with st.lock:
+                if not st.done and now - st.started > self.cfg.load_timeout_s:
+                    # Stalled I/O: give up; vLLM recomputes these blocks, and the I/O
+                    # thread will not touch them any more (cancelled under st.lock).
+                    st.cancelled = True
+                    st.failed_idx = set(range(len(st.job.block_ids)))
+                    log.warning("kvstore rank %d: load of request %s timed out after %.1fs; "
+                                "recomputing", self.rank, req_id, self.cfg.load_timeout_s)
+                    self._stats.add(load_failures=len(st.job.block_ids))
+                elif not st.done:
+                    continue
+            with self._lock:
+                self._loads.pop(req_id, None)
+                self._finished_loads.add(req_id)
+                for i in sorted(st.failed_idx):
+                    self._bad_block_ids.add(st.job.block_ids[i])
+                    if not st.cancelled:
+                        self._bad_keys.append(st.job.keys[i])
+
+    def get_finished(self, finished_req_ids) -> tuple[set[str] | None, set[str] | None]:
+        self._collect_loads()
+        with self._lock:
+            done, self._finished_loads = self._finished_loads, set()
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            bad, self._bad_block_ids = self._bad_block_ids, set()
+        return bad
+
+    def build_worker_meta(self) -> KVStoreWorkerMeta | None:
+        with self._lock:
+            reports, self._store_reports = self._store_reports, {}
+            bad, self._bad_keys = self._bad_keys, []
+        if not reports and not bad:
+            return None
+        return KVStoreWorkerMeta(store_reports=reports, bad_keys=bad)
+
+    def get_stats(self) -> KVStoreStats | None:
+        if self._stats.is_empty():
+            return None
+        out = KVStoreStats(dict(self._stats.data))
+        self._stats.reset()
+        return out
+
+    def pending(self) -> int:
+        """Jobs queued or running on the I/O thread (for tests and shutdown)."""
+        with self._lock:
+            return self._jobs.qsize() + sum(1 for s in self._loads.values() if not s.done)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._thread.join(timeout=max(5.0, self.cfg.load_timeout_s))
+        self.io.close()
