@@ -72,5 +72,204 @@ def bench_index(entries, directory, as_json):
         click.echo(json.dumps(out, indent=2))
 
 
+@bench.command("peers")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="Directory on the device to measure (default: a temporary directory).")
+@click.option("--block-sizes", default="128K,512K,2M", show_default=True,
+              help="Comma-separated block sizes (bytes of payload per block).")
+@click.option("--size", default="1G", show_default=True,
+              help="Total bytes per system per block size (stored, then loaded).")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, 50),
+              help="Alternating rounds; medians are reported.")
+@click.option("--queue-depth", default=32, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--page-cache", is_flag=True, help="Buffered I/O instead of O_DIRECT (every system).")
+@click.option("--samples", default=20, show_default=True, type=click.IntRange(1, 10000),
+              help="Prefix loads timed per system per round (under background stores).")
+@click.option("--prefix-blocks", default=1000, show_default=True, type=click.IntRange(1),
+              help="Blocks in the prefix whose load time is measured (capped by --prefix-max).")
+@click.option("--prefix-max", default="128M", show_default=True,
+              help="Cap on the prefix's bytes (large blocks get a shorter prefix; the table says so).")
+@click.option("--staging", default="256M", show_default=True,
+              help="kvstore RankIO staging memory (one ring batch).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Also save a PNG chart (matplotlib) to this file.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of the table.")
+def bench_peers(directory, block_sizes, size, rounds, queue_depth, page_cache, samples,
+                prefix_blocks, prefix_max, staging, plot_path, as_json):
+    """kvstore vs vLLM's fs tier vs one blocking thread vs fio (needs the `vllm` extra)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        _fail(KVStoreError("`kvstore bench peers` compares against vLLM's own fs tier and needs "
+                           "vLLM: pip install 'kvstore[vllm]'"))
+    from kvstore.bench import peers_bench
+    try:
+        out = peers_bench.run(directory, size, block_sizes, queue_depth, page_cache, rounds,
+                              prefix_blocks, prefix_max, samples, staging)
+        if plot_path:
+            peers_bench.plot(out, plot_path)
+    except (KVStoreError, OSError) as exc:
+        _fail(exc)
+    click.echo(json.dumps(out, indent=2) if as_json else peers_bench.format_table(out))
+
+
+
+# ---------------------------------------------------------------- operator tools: info, fsck, warmup
+
+def _progress_factory(enabled: bool = True):
+    """Progress reporters on stderr: tqdm on a terminal, plain lines when not a TTY."""
+    from kvstore.tools import Progress
+
+    def make(desc, total=None, unit=""):
+        return Progress(desc, total, unit, enabled=enabled)
+    return make
+
+
+@main.command("info")
+@click.argument("store", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of the table.")
+def info_cmd(store, as_json):
+    """Fingerprint, capacity, slot usage, counters, files and writer of STORE.
+
+    Read-only and lock-free: safe while a server uses the store.
+    """
+    from kvstore.tools import info as info_mod
+    try:
+        out = info_mod.gather(store)
+    except (KVStoreError, OSError) as exc:
+        _fail(exc)
+    click.echo(json.dumps(out, indent=2) if as_json else info_mod.format_text(out))
+    if out.get("index_error"):
+        sys.exit(1)
+
+
+class _FsckCommand(click.Command):
+    """e2fsck exit statuses: a usage error is 16 (click's default would be 2)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as exc:
+            exc.exit_code = 16
+            raise
+
+
+@main.command("fsck", cls=_FsckCommand)
+@click.argument("store", type=click.Path(file_okay=False))
+@click.option("--deep", is_flag=True, help="Also verify every payload checksum (reads every used slot).")
+@click.option("--repair", is_flag=True,
+              help="Fix what is found (takes the writer lock; refuses while a server holds it).")
+@click.option("--rebuild-index", is_flag=True,
+              help="Recreate index/ from the slot headers (implies --repair).")
+@click.option("--json", "as_json", is_flag=True, help="Print every finding and the counts as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress output.")
+@click.option("--queue-depth", default=32, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--staging", default="256M", show_default=True,
+              help="Staging memory for reads (split in two halves to overlap I/O and checksums).")
+def fsck_cmd(store, deep, repair, rebuild_index, as_json, quiet, queue_depth, staging):
+    """Check STORE (and with --repair, fix it), like e2fsck.
+
+    Read-only by default and safe while a server uses the store. Exit status (a sum, as
+    e2fsck): 0 clean, 1 errors corrected, 4 errors left uncorrected, 8 operational error,
+    16 usage error, 32 cancelled.
+    """
+    from kvstore.layout import parse_size
+    from kvstore.tools import fsck as fsck_mod
+    try:
+        staging_bytes = parse_size(staging)
+    except KVStoreError as exc:
+        click.echo(f"kvstore fsck: error: --staging: {exc}", err=True)
+        sys.exit(fsck_mod.EXIT_USAGE)
+    try:
+        rep = fsck_mod.fsck(store, deep=deep, repair=repair, rebuild_index=rebuild_index,
+                            progress=_progress_factory(not quiet), staging_bytes=staging_bytes,
+                            queue_depth=queue_depth)
+    except KeyboardInterrupt:
+        click.echo("kvstore fsck: cancelled", err=True)
+        sys.exit(fsck_mod.EXIT_CANCELLED)
+    if as_json:
+        click.echo(json.dumps(rep.to_json(), indent=2))
+    else:
+        click.echo(fsck_mod.format_text(rep))
+    sys.exit(rep.exit_code)
+
+
+
+@main.command("warmup")
+@click.argument("store", type=click.Path(file_okay=False))
+@click.argument("prompts", required=False, type=click.Path(dir_okay=False, exists=True))
+@click.option("--from-store", "from_store", type=click.Path(file_okay=False), default=None,
+              help="Copy blocks from this store (same layout), verifying checksums.")
+@click.option("--model", default=None, help="Compute the KV with vLLM and this model (needs a GPU).")
+@click.option("--all", "all_blocks", is_flag=True,
+              help="With --from-store: copy every block of the source, hottest first (no PROMPTS).")
+@click.option("--tokenizer", default=None,
+              help="Local tokenizer directory for text/chat prompts (default: --model, else the "
+                   "store's model when it is a directory).")
+@click.option("--format", "fmt", type=click.Choice(["auto", "text", "jsonl", "tokens"]), default="auto",
+              show_default=True, help="PROMPTS format: text lines, JSONL (prompt/messages/token ids) "
+                                      "or token-id lists.")
+@click.option("--dry-run", is_flag=True, help="Say what would be written; write nothing (no lock).")
+@click.option("--allow-evict-hotter", is_flag=True,
+              help="When the store is full, evict existing entries (LRU first) to make room.")
+@click.option("--chunk-blocks", default=64, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Blocks copied per batch.")
+@click.option("--connector-config", default=None,
+              help="With --model: JSON merged into the connector's kv_connector_extra_config.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress output.")
+def warmup_cmd(store, prompts, from_store, model, all_blocks, tokenizer, fmt, dry_run,
+               allow_evict_hotter, chunk_blocks, connector_config, as_json, quiet):
+    """Fill STORE before traffic arrives, from PROMPTS (or --all of another store).
+
+    Blocks already in STORE are skipped, so an interrupted run resumes where it stopped.
+    Existing entries are never evicted unless --allow-evict-hotter is given.
+    """
+    from kvstore.tools import warmup as warmup_mod
+    extra = None
+    if connector_config:
+        try:
+            extra = json.loads(connector_config)
+            if not isinstance(extra, dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            _fail(KVStoreError(f"--connector-config must be a JSON object ({exc})"))
+    try:
+        sm = warmup_mod.warmup(store, prompts, from_store=from_store, model=model, all_blocks=all_blocks,
+                               tokenizer=tokenizer, fmt=fmt, dry_run=dry_run,
+                               allow_evict_hotter=allow_evict_hotter, chunk_blocks=chunk_blocks,
+                               progress=_progress_factory(not quiet), connector_config=extra)
+    except (KVStoreError, OSError) as exc:
+        _fail(exc)
+    click.echo(json.dumps(sm.to_json(), indent=2) if as_json else warmup_mod.format_text(sm))
+    if sm.stopped == "interrupted":
+        sys.exit(130)
+
+
+@main.command()
+@click.option("--store", type=click.Path(file_okay=False), default=None,
+              help="Keep the store in this directory (default: a temporary one, removed after).")
+@click.option("--capacity", default="1G", show_default=True, help="Store capacity when creating it.")
+@click.option("--page-cache", is_flag=True, help="Buffered I/O instead of O_DIRECT.")
+@click.option("--sessions", default=12, show_default=True, type=click.IntRange(1, 1000),
+              help="Multi-turn chat sessions in the workload.")
+@click.option("--gpu-blocks", default=256, show_default=True, type=click.IntRange(16, 1 << 20),
+              help="Blocks of 16 tokens in the simulated GPU KV cache.")
+@click.option("--tp", "tp_size", default=1, show_default=True, type=click.IntRange(1, 8),
+              help="Tensor-parallel ranks (worker connectors) to simulate.")
+@click.option("--json", "as_json", is_flag=True)
+def demo(store, capacity, page_cache, sessions, gpu_blocks, tp_size, as_json):
+    """Replay chats + shared documents through vLLM's scheduler, restart, replay: hits from disk."""
+    from kvstore import demo as demo_mod
+    try:
+        out = demo_mod.run(store=store, capacity=capacity, io_mode="page_cache" if page_cache else "direct",
+                           gpu_blocks=gpu_blocks, sessions=sessions, tp_size=tp_size)
+    except (KVStoreError, OSError) as exc:
+        _fail(exc)
+    click.echo(json.dumps(out, indent=2) if as_json else demo_mod.format_report(out))
+    if out["blocks_mismatched"]:
+        sys.exit(1)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -95,6 +95,8 @@ class KVStoreWorker:
         self._meta: KVStoreMetadata | None = None
         self._started_jobs: set[int] = set()
         self._closed = False
+        self.load_busy_s = 0.0          # I/O thread time spent on loads (for throughput)
+        self.loaded_bytes_total = 0
         self._thread = threading.Thread(target=self._run, name=f"kvstore-io-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -182,6 +184,13 @@ class KVStoreWorker:
             self._store_reports[job_id] = [1, failed]
 
     def _do_load(self, st: _LoadState) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._do_load_timed(st)
+        finally:
+            self.load_busy_s += time.perf_counter() - t0
+
+    def _do_load_timed(self, st: _LoadState) -> None:
         job = st.job
         refs = [SlotRef(k, s, g) for k, s, g in zip(job.keys, job.slots, job.generations)]
         step = max(1, min(len(refs), self.slots.total // 2 or 1))
@@ -218,6 +227,7 @@ class KVStoreWorker:
                 return
             st.failed_idx = failed
             st.done = True
+        self.loaded_bytes_total += (len(refs) - len(failed)) * self.io.payload_len
         self._stats.add(loaded_blocks=len(refs) - len(failed),
                         loaded_bytes=(len(refs) - len(failed)) * self.io.payload_len,
                         load_failures=len(failed))
