@@ -246,6 +246,20 @@ def warmup_cmd(store, prompts, from_store, model, all_blocks, tokenizer, fmt, dr
         sys.exit(130)
 
 
+@bench.command("connector")
+@click.option("--prefix-blocks", default=1000, show_default=True, type=click.IntRange(1, 100000))
+@click.option("--requests", default=8, show_default=True, type=click.IntRange(1, 256))
+@click.option("--json", "as_json", is_flag=True)
+def bench_connector(prefix_blocks, requests, as_json):
+    """Scheduler-side connector time per step and per request, through vLLM's scheduler."""
+    from kvstore.bench import connector_bench
+    try:
+        out = connector_bench.run(prefix_blocks=prefix_blocks, requests=requests)
+    except (KVStoreError, OSError) as exc:
+        _fail(exc)
+    click.echo(json.dumps(out, indent=2) if as_json else connector_bench.format_table(out))
+
+
 @main.command()
 @click.option("--store", type=click.Path(file_okay=False), default=None,
               help="Keep the store in this directory (default: a temporary one, removed after).")

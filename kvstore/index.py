@@ -38,7 +38,7 @@ import lmdb
 
 from kvstore.errors import ConfigError, CorruptIndex, KVStoreError, StoreFull
 
-__all__ = ["Entry", "Index", "FORMAT_VERSION"]
+__all__ = ["Entry", "Index", "IndexSnapshot", "FORMAT_VERSION", "rebuild_index"]
 
 FORMAT_VERSION = 1
 
@@ -116,7 +116,7 @@ class Index:
             map_size = max(_MIN_MAP, cap * 512)
         try:
             env = lmdb.open(self._path, map_size=map_size, subdir=True, readonly=readonly,
-                            lock=True, sync=sync, metasync=False, create=create, max_dbs=8, mode=0o700,
+                            lock=True, sync=False, metasync=False, create=create, max_dbs=8, mode=0o700,
                             readahead=False, max_spare_txns=4)
         except lmdb.Error as e:
             if "already open in this process" in str(e):
@@ -125,12 +125,13 @@ class Index:
                     f"index at {self._path} is already open in this process; share that "
                     f"Index instead of opening a second one") from e
             raise CorruptIndex(f"cannot open index at {self._path}: {e}; {_REBUILD_HINT}") from e
+        self._env = env  # _open_dbs may write (a lagging tick counter): it needs a live env
         try:
             self._open_dbs(env, create and not exists, capacity_slots)
         except BaseException:
+            self._env = None
             env.close()
             raise
-        self._env = env
 
     # ------------------------------------------------------------------ open / close
 
@@ -184,8 +185,7 @@ class Index:
             if not self._readonly:
                 if self._pending_hits or self._pending_misses:
                     self._write(lambda txn: None)
-                if not self._sync:
-                    env.sync(True)
+                env.sync(True)
         finally:
             self._env = None
             env.close()
@@ -540,7 +540,14 @@ class Index:
         """
         if not items:
             return []
-        return self._write(self._commit_txn, items)
+        skipped = self._write(self._commit_txn, items)
+        if self._sync:
+            # Only commits are made durable (fdatasync of data.mdb): LMDB writes
+            # transactions in order, so syncing here also persists every earlier
+            # reservation and eviction, while touches and reservations alone never pay
+            # for an fsync. After a crash the index is the state as of some commit.
+            self._live().sync(True)
+        return skipped
 
     def _commit_txn(self, txn, items):
         get, put, delete = txn.get, txn.put, txn.delete
@@ -792,3 +799,144 @@ class Index:
                 problems.append(f"used + free + reserved below high_water = {len(owner)}, "
                                 f"expected {hw} (slots lost or counted twice)")
         return problems
+
+    # ------------------------------------------------------------------ fsck support
+
+    def snapshot(self) -> "IndexSnapshot":
+        """One read transaction over every database, for fsck: a context manager whose
+        iterators all see the same committed state, even while a writer (another process)
+        keeps committing. Hold it only as long as a scan takes."""
+        return IndexSnapshot(self)
+
+
+class IndexSnapshot:
+    """Typed, read-only iterators over the raw rows of one consistent snapshot.
+
+    Rows that do not decode (wrong length) are not yielded; they are recorded in
+    `malformed` as (db name, row key) so that fsck can report them.
+    """
+
+    def __init__(self, index: Index):
+        self._ix = index
+        self._txn: lmdb.Transaction | None = None
+        self.malformed: list[tuple[str, bytes]] = []
+
+    def __enter__(self) -> "IndexSnapshot":
+        self._txn = self._ix._read()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._txn is not None:
+            self._txn.abort()
+            self._txn = None
+
+    def _rows(self, db) -> Iterator[tuple[bytes, bytes]]:
+        if self._txn is None:
+            raise KVStoreError("IndexSnapshot used outside its `with` block")
+        return self._txn.cursor(db=db).iternext(keys=True, values=True)
+
+    def counters(self) -> dict[str, int]:
+        out = {}
+        for k, v in self._rows(self._ix._meta):
+            if len(v) == _U64.size:
+                out[k.decode(errors="replace")] = _U64.unpack(v)[0]
+            else:
+                self.malformed.append(("meta", bytes(k)))
+        return out
+
+    def count(self, name: str) -> int:
+        db = {"keys": self._ix._keys, "slots": self._ix._slots, "lru": self._ix._lru,
+              "free": self._ix._free, "reserved": self._ix._reserved}[name]
+        return self._txn.stat(db)["entries"]
+
+    def entries(self) -> Iterator[Entry]:
+        """keys db: every committed entry, in key order."""
+        for k, v in self._rows(self._ix._keys):
+            if len(v) != _VAL.size:
+                self.malformed.append(("keys", bytes(k)))
+                continue
+            yield _entry(bytes(k), *_VAL.unpack(v))
+
+    def slot_rows(self) -> Iterator[tuple[int, bytes]]:
+        """slots db: (slot, key) reverse rows."""
+        for sk, k in self._rows(self._ix._slots):
+            if len(sk) != _U32.size:
+                self.malformed.append(("slots", bytes(sk)))
+                continue
+            yield _U32.unpack(sk)[0], bytes(k)
+
+    def lru_rows(self) -> Iterator[tuple[int, int]]:
+        """lru db: (tick, slot), coldest first."""
+        for lk, _ in self._rows(self._ix._lru):
+            if len(lk) != _LRU.size:
+                self.malformed.append(("lru", bytes(lk)))
+                continue
+            yield _LRU.unpack(lk)
+
+    def free_rows(self) -> Iterator[int]:
+        """free db: the given-back slots (not the never-used ones >= high_water)."""
+        for sk, _ in self._rows(self._ix._free):
+            if len(sk) != _U32.size:
+                self.malformed.append(("free", bytes(sk)))
+                continue
+            yield _U32.unpack(sk)[0]
+
+    def reserved_rows(self) -> Iterator[tuple[int, int, bytes]]:
+        """reserved db: (slot, generation, key)."""
+        for sk, v in self._rows(self._ix._reserved):
+            if len(sk) != _U32.size or len(v) < _U64.size:
+                self.malformed.append(("reserved", bytes(sk)))
+                continue
+            yield _U32.unpack(sk)[0], _U64.unpack_from(v)[0], bytes(v[8:])
+
+
+_KEPT_COUNTERS = ("hits", "misses", "evictions", "duplicates", "stale_commits")
+
+
+def rebuild_index(path: str, capacity_slots: int, entries: Iterable[tuple[bytes, int, int]], *,
+                  counters: dict | None = None, sync: bool = True) -> int:
+    """Replace the index at `path` by one holding exactly `entries` (fsck --repair and
+    --rebuild-index). The caller must hold the store's writer lock and have no Index open
+    on `path`.
+
+    `entries` are committed (key, slot, generation), coldest first (their order becomes
+    the LRU order). `counters` carries hits/misses/evictions/duplicates/stale_commits over
+    from the old index and a `generation` floor: the generation counter never goes back,
+    so a slot header written before the rebuild can never match a later reservation.
+    The new index is built next to the old one (`index.rebuild`) and swapped in with two
+    renames; a crash in between leaves no index/, which `fsck --rebuild-index` recovers
+    from the slot headers. Returns the number of entries loaded.
+    """
+    path = os.path.abspath(os.fspath(path)).rstrip(os.sep)
+    tmp, old = path + ".rebuild", path + ".old"
+    import shutil
+    def remove(p):
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        elif os.path.lexists(p):
+            os.unlink(p)
+
+    for p in (tmp, old):
+        remove(p)
+    with Index(tmp, capacity_slots, create=True, sync=sync) as ix:
+        n = ix.bulk_load(entries)
+        counters = dict(counters or {})
+
+        def txnfn(txn):
+            for name in _KEPT_COUNTERS:
+                if name in counters:
+                    ix._set(txn, name.encode(), int(counters[name]))
+            floor = int(counters.get("generation", 0))
+            if floor > ix._get(txn, b"generation"):
+                ix._set(txn, b"generation", floor)
+        ix._write(txnfn)
+    if os.path.lexists(path):
+        os.rename(path, old)
+    os.rename(tmp, path)
+    dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    remove(old)
+    return n

@@ -738,20 +738,29 @@ class EngineHarness:
         """True while vLLM's EngineCore would keep stepping."""
         return self.scheduler.has_requests() or self._pending is not None
 
-    def drain(self, max_steps: int = 10_000) -> None:
+    def drain(self, max_steps: int | None = None, timeout_s: float = 120.0) -> None:
         """Step until the engine would go idle (``Scheduler.has_requests()``
-        false). Raises HarnessError if that takes more than ``max_steps``."""
+        false). Raises HarnessError after ``max_steps`` steps (if given) or
+        ``timeout_s`` seconds: background I/O makes the step count vary, so the
+        bound that matters is time."""
+        import time as _time
+
         self._collect_events()
-        for _ in range(max_steps):
+        deadline = _time.monotonic() + timeout_s
+        steps = 0
+        while True:
             if not self.scheduler.has_requests():
                 if self._pending is not None:
                     prev, self._pending = self._pending, None
                     self._update(*prev)
                     continue
                 return
+            if (max_steps is not None and steps >= max_steps) or _time.monotonic() > deadline:
+                break
             self.step()
+            steps += 1
         raise HarnessError(
-            f"engine still busy after {max_steps} steps: "
+            f"engine still busy after {steps} steps / {timeout_s:.0f}s: "
             f"{len(self.scheduler.requests)} requests, "
             f"waiting={len(self.scheduler.waiting)}, "
             f"kv_holding_waiting={len(self.scheduler.kv_holding_waiting)}, "
@@ -770,7 +779,7 @@ class EngineHarness:
         max_tokens: int = 1,
         *,
         idle_steps: int = 0,
-        max_steps: int = 10_000,
+        max_steps: int | None = None,
         cache_salt: str | None = None,
     ) -> dict:
         """Add ``prompts``, step until the engine is idle, return stats."""

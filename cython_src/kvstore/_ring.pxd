@@ -47,6 +47,7 @@ cdef class Ring:
         public object fault_injector
 
     cdef int _pump(self, Batch *b) except -1
+    cdef int _pump_nogil(self, Batch *b) except -1 nogil
     cdef int _fill(self, Batch *b) noexcept nogil
     cdef Py_ssize_t _reap(self, Batch *b) noexcept nogil
     cdef void _requeue(self, Batch *b, Py_ssize_t i) noexcept nogil

@@ -295,20 +295,27 @@ cdef class Ring:
         b.queue[(b.qhead + b.qlen) % b.n] = i
         b.qlen += 1
 
-    cdef int _pump(self, Batch *b) except -1:
-        """Drive the batch to completion; kernel waits happen without the GIL."""
-        cdef int ret
+    cdef int _pump_nogil(self, Batch *b) except -1 nogil:
+        """The whole submit/reap loop, without the GIL; raises only if the kernel call
+        itself fails (the GIL is taken just to raise)."""
         while b.completed < b.n:
-            with nogil:
-                self._fill(b)
+            self._fill(b)
+            io_uring_submit_and_wait(self._ring, 1)
+            self._reap(b)
+        return 0
+
+    cdef int _pump(self, Batch *b) except -1:
+        """Drive the batch to completion in one GIL-free section; EINTR/EAGAIN/EBUSY from
+        io_uring_enter (a signal, a full completion queue) resume the same batch."""
+        while b.completed < b.n:
             try:
                 with nogil:
-                    io_uring_submit_and_wait(self._ring, 1)
+                    self._pump_nogil(b)
             except OSError as exc:
                 if exc.errno not in (EINTR, EAGAIN, EBUSY):
                     raise
-            with nogil:
-                self._reap(b)
+                with nogil:
+                    self._reap(b)
         return 0
 
     def submit(self, int opcode, fds, offsets, addrs, lengths, *, bint check=True):

@@ -86,7 +86,13 @@ class KVStoreScheduler:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         req_id = request.request_id
         self._requests[req_id] = request
-        self._release_candidate(req_id)  # re-entry after a failed allocation
+        cand = self._candidates.get(req_id)
+        if cand is not None and cand[0] == num_computed_tokens // self.block_size:
+            # Re-entry while the request waits for GPU blocks: the pinned lookup result
+            # is still valid (pins keep it from eviction; a block dropped since then
+            # fails verification on load and is recomputed), so skip the index walk.
+            return len(cand[1]) * self.block_size, True
+        self._release_candidate(req_id)
         if getattr(request.sampling_params, "skip_reading_prefix_cache", False) or \
                 req_id in self._inflight_loads:
             return 0, False
