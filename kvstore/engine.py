@@ -167,6 +167,7 @@ class RankIO:
         self.ring = None
         self._own_staging = staging is None
         self.staging = None
+        self._pool = None
         try:
             try:
                 _check_dir(rank_dir(store_dir, rank))
@@ -211,6 +212,9 @@ class RankIO:
 
     def close(self):
         """Close ring, files and owned staging memory (idempotent)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         if self.ring is not None:
             self.ring.close()
             self.ring = None
@@ -274,11 +278,7 @@ class RankIO:
         errors: list[Exception | None] = [None] * len(refs)
         if not refs:
             return errors
-        for ref, i in zip(refs, stage_slots):
-            base = i * self.slot_size
-            _slotfile.encode_header(self._stage_np[base:base + HEADER_SIZE], ref.key, ref.slot,
-                                    ref.generation, self.payload_len,
-                                    _slotfile.payload_checksum(self.payload_view(i)))
+        self._stamp(refs, stage_slots)
         res, fds, offs = self._submit(OP_WRITE, refs, stage_slots)
         for i in np.flatnonzero(res < 0):
             errors[i] = self._error(OP_WRITE, res[i], fds[i], offs[i], refs[i])
@@ -308,31 +308,82 @@ class RankIO:
         if not refs:
             return errors
         res, fds, offs = self._submit(OP_READ, refs, stage_slots)
-        for i, (ref, st) in enumerate(zip(refs, stage_slots)):
-            if res[i] < 0:
-                errors[i] = self._error(OP_READ, res[i], fds[i], offs[i], ref)
-                continue
-            try:
-                _slotfile.verify_slot(self.slot_view(st), ref.key, ref.slot, ref.generation,
-                                      self.payload_len, check_payload)
-            except CorruptSlot as exc:
-                errors[i] = exc
-        return errors
+        return self._verify(refs, stage_slots, res, fds, offs, check_payload)
+
+    def _submitter(self):
+        # One background thread drives the ring while this thread prepares or verifies
+        # the other half of staging: Ring.submit runs its whole submit/reap loop without
+        # the GIL, so disk and CPU work overlap (one submit in flight at a time, so the
+        # ring is never used by two threads at once).
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvstore-ring-r{self.rank}")
+        return self._pool
+
+    def _halves(self, n: int):
+        """Chunks of refs and the staging half each one uses (double buffering)."""
+        half = max(1, self.staging_slots // 2)
+        for k, start in enumerate(range(0, n, half)):
+            base = (k % 2) * half if self.staging_slots >= 2 else 0
+            yield start, min(n, start + half), base
+
+    def _stamp(self, refs, stage_slots) -> None:
+        for ref, i in zip(refs, stage_slots):
+            base = i * self.slot_size
+            _slotfile.encode_header(self._stage_np[base:base + HEADER_SIZE], ref.key, ref.slot,
+                                    ref.generation, self.payload_len,
+                                    _slotfile.payload_checksum(self.payload_view(i)))
 
     def write_blocks(self, refs: Sequence[SlotRef], fill: Callable[[int, int, list[np.ndarray]], None],
                      *, durable: bool = True) -> list[Exception | None]:
         """Write blocks: `fill(start, stop, views)` puts payloads of refs[start:stop] into views.
 
         Returns one entry per ref: None when the slot is written (and durable), else the
-        error. Chunks of at most `staging_slots` go through staging memory.
+        error. Double-buffered: the next chunk is filled and stamped while the previous
+        one is on its way to disk; one fdatasync per touched file at the end.
         """
         self._check_open()
-        errors: list[Exception | None] = []
-        step = self.staging_slots
-        for start in range(0, len(refs), step):
-            chunk = refs[start:start + step]
-            fill(start, start + len(chunk), [self.payload_view(i) for i in range(len(chunk))])
-            errors += self.write_staged(chunk, range(len(chunk)), durable=durable)
+        errors: list[Exception | None] = [None] * len(refs)
+        pending = None
+        touched: set[int] = set()
+
+        def collect(p):
+            start, chunk, fut = p
+            res, fds, offs = fut.result()
+            for i in range(len(chunk)):
+                if res[i] < 0:
+                    errors[start + i] = self._error(OP_WRITE, res[i], fds[i], offs[i], chunk[i])
+                else:
+                    touched.add(int(fds[i]))
+            return fds
+
+        fds_of: dict[int, np.ndarray] = {}
+        for start, stop, base in self._halves(len(refs)):
+            chunk = refs[start:stop]
+            slots = range(base, base + len(chunk))
+            fill(start, stop, [self.payload_view(i) for i in slots])
+            self._stamp(chunk, slots)
+            if pending is not None:
+                fds_of[pending[0]] = collect(pending)
+            if stop == len(refs) and pending is None:
+                from concurrent.futures import Future
+                fut: Future = Future()      # a single chunk: nothing to overlap with
+                fut.set_result(self._submit(OP_WRITE, chunk, slots))
+            else:
+                fut = self._submitter().submit(self._submit, OP_WRITE, chunk, slots)
+            pending = (start, chunk, fut)
+        if pending is not None:
+            fds_of[pending[0]] = collect(pending)
+        if durable and touched:
+            order = sorted(touched)
+            sres = self.ring.submit(2, order, None, None, None)
+            bad = {order[i]: -int(sres[i]) for i in np.flatnonzero(sres < 0)}
+            if bad:
+                for start, fds in fds_of.items():
+                    for i, fd in enumerate(fds):
+                        if errors[start + i] is None and int(fd) in bad:
+                            err = bad[int(fd)]
+                            errors[start + i] = OSError(err, "fdatasync failed: " + os.strerror(err))
         return errors
 
     def read_blocks(self, refs: Sequence[SlotRef], drain: Callable[[int, int, list[np.ndarray], list], None],
@@ -340,17 +391,50 @@ class RankIO:
         """Read and verify blocks; `drain(start, stop, views, errors)` consumes the payloads.
 
         `errors[i]` (for refs[start + i]) is None for a verified block and the error
-        otherwise; drain must not use the view of a failed block.
+        otherwise; drain must not use the view of a failed block. Double-buffered: the
+        next chunk is read while this one is verified and drained.
         """
         self._check_open()
+        _check_choice("verify", verify, VERIFY_MODES)
         errors: list[Exception | None] = []
-        step = self.staging_slots
-        for start in range(0, len(refs), step):
-            chunk = refs[start:start + step]
-            chunk_errors = self.read_staged(chunk, range(len(chunk)), verify=verify)
-            drain(start, start + len(chunk), [self.payload_view(i) for i in range(len(chunk))], chunk_errors)
+        plan = list(self._halves(len(refs)))
+        futs = {}
+
+        def launch(k):
+            start, stop, base = plan[k]
+            args = (OP_READ, refs[start:stop], range(base, base + stop - start))
+            if len(plan) == 1:              # a single chunk: nothing to overlap with
+                from concurrent.futures import Future
+                futs[k] = Future()
+                futs[k].set_result(self._submit(*args))
+            else:
+                futs[k] = self._submitter().submit(self._submit, *args)
+        if plan:
+            launch(0)
+        for k, (start, stop, base) in enumerate(plan):
+            res, fds, offs = futs.pop(k).result()
+            if k + 1 < len(plan):
+                launch(k + 1)
+            chunk = refs[start:stop]
+            slots = range(base, base + len(chunk))
+            chunk_errors = self._verify(chunk, slots, res, fds, offs, verify == "checksum")
+            drain(start, stop, [self.payload_view(i) for i in slots], chunk_errors)
             errors += chunk_errors
         return errors
+
+    def _verify(self, refs, stage_slots, res, fds, offs, check_payload) -> list[Exception | None]:
+        out: list[Exception | None] = []
+        for i, (ref, st) in enumerate(zip(refs, stage_slots)):
+            if res[i] < 0:
+                out.append(self._error(OP_READ, res[i], fds[i], offs[i], ref))
+                continue
+            try:
+                _slotfile.verify_slot(self.slot_view(st), ref.key, ref.slot, ref.generation,
+                                      self.payload_len, check_payload)
+                out.append(None)
+            except CorruptSlot as exc:
+                out.append(exc)
+        return out
 
     def read_headers(self, slots: Sequence[int]) -> list:
         """Read slot headers only (for fsck): SlotHeader, or the exception, per slot."""
