@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from kvstore.errors import ConfigError
@@ -37,6 +38,20 @@ class _TensorRegion:
     block_stride: int
     page: int            # bytes of one layer of one block (contiguous)
     num_blocks: int
+
+
+def _np_rows(t: torch.Tensor) -> np.ndarray:
+    """A numpy view (no copy) of a strided uint8 CPU tensor."""
+    from numpy.lib.stride_tricks import as_strided
+    base = t.untyped_storage()
+    flat = np.frombuffer(memoryview(_as_buffer(base)), dtype=np.uint8)
+    return as_strided(flat[t.storage_offset():], shape=tuple(t.shape), strides=tuple(t.stride()),
+                      writeable=True)
+
+
+def _as_buffer(storage):
+    # A writable buffer over the storage's memory (CPU tensors only).
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)).numpy()
 
 
 def _storage_u8(t: torch.Tensor) -> torch.Tensor:
@@ -118,8 +133,30 @@ class KVTransfer:
             L = len(r.layers)
             self._views.append(self.raw.as_strided((L, r.num_blocks, r.page),
                                                    (r.layer_stride, r.block_stride, 1), r.base))
-            self._stage_views.append(staging_tensor.as_strided(
-                (nslots, L, r.page), (slot_size, r.page, 1), HEADER_SIZE + col))
+            self._stage_views.append(_np_rows(staging_tensor.as_strided(
+                (nslots, L, r.page), (slot_size, r.page, 1), HEADER_SIZE + col)))
+            col += L * r.page
+        # Row views: each row is one contiguous run of bytes of one block (all layers of a
+        # block-major tensor, or one layer of a layer-major one), paired with the matching
+        # rows of the staging payloads. A gather/scatter is then one index_select /
+        # index_copy_ over rows per pair: a loop over layers at most, never over blocks.
+        self._rows = []
+        col = 0
+        for r in self.regions:
+            L = len(r.layers)
+            if L == 1 or r.layer_stride == r.page:
+                pairs = [(self.raw.as_strided((r.num_blocks, L * r.page), (r.block_stride, 1), r.base),
+                          staging_tensor.as_strided((nslots, L * r.page), (slot_size, 1), HEADER_SIZE + col))]
+            else:
+                pairs = [(self.raw.as_strided((r.num_blocks, r.page), (r.block_stride, 1), r.base + l * r.layer_stride),
+                          staging_tensor.as_strided((nslots, r.page), (slot_size, 1), HEADER_SIZE + col + l * r.page))
+                         for l in range(L)]
+            if not self.cuda:
+                # numpy's fancy indexing copies whole rows with memcpy (~8 GB/s here);
+                # torch's CPU index_select/index_copy_ on uint8 rows is ~30x slower.
+                pairs = [(_np_rows(d),
+                          _np_rows(st)) for d, st in pairs]
+            self._rows.extend(pairs)
             col += L * r.page
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._last_event = None
@@ -132,10 +169,10 @@ class KVTransfer:
         if not block_ids:
             return None
         if not self.cuda:
-            bidx = self._idx(block_ids, self.device)
-            sidx = self._idx(stage_slots, "cpu")
-            for v, sv in zip(self._views, self._stage_views):
-                sv[sidx] = v.index_select(1, bidx).permute(1, 0, 2)
+            bidx = np.asarray(block_ids, dtype=np.int64)
+            sidx = np.asarray(stage_slots, dtype=np.int64)
+            for dev_rows, stage_rows in self._rows:
+                stage_rows[sidx] = dev_rows[bidx]
             return None
         return self._gather_cuda(block_ids, stage_slots)
 
@@ -144,42 +181,40 @@ class KVTransfer:
         if not block_ids:
             return None
         if not self.cuda:
-            bidx = self._idx(block_ids, self.device)
-            sidx = self._idx(stage_slots, "cpu")
-            for v, sv in zip(self._views, self._stage_views):
-                v.index_copy_(1, bidx, sv.index_select(0, sidx).permute(1, 0, 2))
+            bidx = np.asarray(block_ids, dtype=np.int64)
+            sidx = np.asarray(stage_slots, dtype=np.int64)
+            for dev_rows, stage_rows in self._rows:
+                dev_rows[bidx] = stage_rows[sidx]
             return None
         return self._scatter_cuda(stage_slots, block_ids)
 
-    # -- CUDA path: side stream, events, pinned (cudaHostRegister'ed) staging ------------
+    # -- CUDA path: side stream, events, pinned bounce buffers ------------------------
     def _gather_cuda(self, block_ids, stage_slots):
         compute = torch.cuda.current_stream(self.device)
         ev = torch.cuda.Event()
+        hosts = []
         with torch.cuda.stream(self._stream):
             # GPU-side ordering only: the copy starts after the forward that produced the
-            # KV; the host never waits here.
+            # KV; neither the host nor the compute stream waits for it here.
             self._stream.wait_stream(compute)
             bidx = self._idx(block_ids, self.device)
-            sidx = self._idx(stage_slots, "cpu")
-            for v, sv in zip(self._views, self._stage_views):
+            for v in self._views:
                 packed = v.index_select(1, bidx).permute(1, 0, 2).contiguous()
                 host = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True)
                 host.copy_(packed, non_blocking=True)
-                ev_copy = torch.cuda.Event()
-                ev_copy.record(self._stream)
-                ev_copy.synchronize()  # on the I/O thread's behalf: host copy below needs it
-                sv[sidx] = host
+                packed.record_stream(self._stream)  # keep the source alive until copied
+                hosts.append(host)
             ev.record(self._stream)
         self._last_event = ev
-        return ev
+        return _PendingGather(ev, hosts, list(stage_slots), self)
 
     def _scatter_cuda(self, stage_slots, block_ids):
         ev = torch.cuda.Event()
         with torch.cuda.stream(self._stream):
             bidx = self._idx(block_ids, self.device)
-            sidx = self._idx(stage_slots, "cpu")
+            sidx = np.asarray(stage_slots, dtype=np.int64)
             for v, sv in zip(self._views, self._stage_views):
-                host = sv.index_select(0, sidx).pin_memory()
+                host = torch.from_numpy(sv[sidx]).pin_memory()
                 dev = host.to(self.device, non_blocking=True)
                 v.index_copy_(1, bidx, dev.permute(1, 0, 2))
             ev.record(self._stream)
@@ -192,9 +227,28 @@ class KVTransfer:
             torch.cuda.current_stream(self.device).wait_event(self._last_event)
 
     @staticmethod
-    def wait(event) -> None:
-        if event is not None:
-            event.synchronize()
+    def wait(pending) -> None:
+        """Block the calling (I/O) thread until a gather/scatter is complete in staging."""
+        if pending is None:
+            return
+        if isinstance(pending, _PendingGather):
+            pending.complete()
+        else:
+            pending.synchronize()
+
+
+class _PendingGather:
+    """A CUDA gather in flight: device -> pinned bounce buffers, then -> staging slots."""
+
+    def __init__(self, event, hosts, stage_slots, transfer):
+        self.event, self.hosts, self.stage_slots, self.transfer = event, hosts, stage_slots, transfer
+
+    def complete(self) -> None:
+        self.event.synchronize()
+        sidx = np.asarray(self.stage_slots, dtype=np.int64)
+        for host, sv in zip(self.hosts, self.transfer._stage_views):
+            sv[sidx] = host.numpy()
+        self.hosts = []
 
 
 def register_host_memory(staging_tensor: torch.Tensor) -> bool:
