@@ -83,6 +83,40 @@ def _entry(key: bytes, slot: int, gen: int, tick: int) -> Entry:
     return e
 
 
+def _guard(fn):
+    """Turn a damaged record (bad length, garbage bytes) into CorruptIndex, not a crash.
+
+    Every value read from LMDB is struct-unpacked; a record that does not parse means the
+    index was damaged on disk. Callers get a KVStoreError naming the repair, never a
+    struct.error or an lmdb internal error from deep inside.
+    """
+    import functools
+    import inspect
+
+    def convert(exc):
+        return CorruptIndex(f"index record unreadable in {fn.__name__}() ({type(exc).__name__}: {exc}); "
+                            f"{_REBUILD_HINT}, or `kvstore fsck --repair` to drop damaged rows")
+
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def gen(*a, **kw):
+            try:
+                yield from fn(*a, **kw)
+            except (struct.error, UnicodeDecodeError, lmdb.CorruptedError, lmdb.PageNotFoundError,
+                    lmdb.BadValsizeError) as exc:
+                raise convert(exc) from exc
+        return gen
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except (struct.error, UnicodeDecodeError, lmdb.CorruptedError, lmdb.PageNotFoundError,
+                lmdb.BadValsizeError) as exc:
+            raise convert(exc) from exc
+    return wrapper
+
+
 class Index:
     """The LMDB index of one store. See the module docstring for the layout.
 
@@ -135,6 +169,7 @@ class Index:
 
     # ------------------------------------------------------------------ open / close
 
+    @_guard
     def _open_dbs(self, env: lmdb.Environment, fresh: bool, capacity: int | None) -> None:
         try:
             if self._readonly:
@@ -273,6 +308,7 @@ class Index:
 
     # ------------------------------------------------------------------ reads
 
+    @_guard
     def lookup(self, key: bytes) -> Entry | None:
         with self._read() as txn:
             v = txn.get(key, db=self._keys)
@@ -281,6 +317,7 @@ class Index:
         s, g, t = _VAL.unpack(v)
         return _entry(key, s, g, t)
 
+    @_guard
     def longest_prefix(self, keys: Sequence[bytes]) -> list[Entry]:
         """Entries of keys[0..i) where keys[i] is the first key not in the index. One read txn."""
         out: list[Entry] = []
@@ -322,6 +359,7 @@ class Index:
                 chunk *= 4
         return out
 
+    @_guard
     def stats(self) -> dict:
         """Counters and sizes; O(1) (meta rows and LMDB db stats, no scan)."""
         env = self._live()
@@ -360,6 +398,7 @@ class Index:
         cur = txn.cursor(db=self._lru)
         return _LRU.unpack(cur.key())[0] if cur.first() else None
 
+    @_guard
     def oldest_tick(self) -> int | None:
         with self._read() as txn:
             return self._oldest(txn)
@@ -397,12 +436,14 @@ class Index:
                 return
             last = rows[-1][0]
 
+    @_guard
     def iter_entries(self) -> Iterator[Entry]:
         """Every committed entry, in key order."""
         for rows in self._chunks(self._keys):
             for k, v in rows:
                 yield _entry(k, *_VAL.unpack(v))
 
+    @_guard
     def iter_lru(self, hottest_first: bool = False) -> Iterator[Entry]:
         """Committed entries in eviction order (coldest first unless hottest_first)."""
         for rows in self._chunks(self._lru, reverse=hottest_first):
@@ -419,12 +460,14 @@ class Index:
                         out.append(_entry(key, s, g, t))
             yield from out  # outside the txn: see the note above _chunks
 
+    @_guard
     def iter_reserved(self) -> Iterator[tuple[int, int, bytes]]:
         """(slot, generation, key) of every reservation not yet committed or aborted."""
         for rows in self._chunks(self._reserved):
             for sk, v in rows:
                 yield _U32.unpack(sk)[0], _U64.unpack_from(v)[0], bytes(v[8:])
 
+    @_guard
     def iter_free(self) -> Iterator[int]:
         """Every free slot: the given-back ones (ascending), then high_water..capacity."""
         for rows in self._chunks(self._free):
@@ -436,6 +479,7 @@ class Index:
 
     # ------------------------------------------------------------------ writes
 
+    @_guard
     def reserve(self, keys: Iterable[bytes], pinned: Collection[int] = ()
                 ) -> tuple[list[tuple[bytes, int, int]], list[Entry]]:
         """Reserve one slot per key that is not already committed; one write txn.
@@ -528,6 +572,7 @@ class Index:
             self._add(txn, b"evictions", len(evicted))
         return out, evicted
 
+    @_guard
     def commit(self, items: Sequence[tuple[bytes, int, int]]) -> list[tuple[bytes, int, int]]:
         """Make reserved (key, slot, generation) items visible to lookups; one write txn.
 
@@ -584,6 +629,7 @@ class Index:
             skipped.reverse()
         return skipped
 
+    @_guard
     def abort(self, slots_or_items: Iterable[int | tuple[bytes, int, int]]) -> int:
         """Give reservations back to free. Accepts slot ints (released if reserved) or
         (key, slot, generation) items (released only if that reservation still stands).
@@ -609,6 +655,7 @@ class Index:
             n += 1
         return n
 
+    @_guard
     def reclaim_reserved(self) -> int:
         """Crash recovery, for the writer at open: every reserved slot goes back to free.
         A reserved slot may hold a half-written block; nothing points at it. Returns count."""
@@ -621,6 +668,7 @@ class Index:
             txn.drop(self._reserved, delete=False)
         return len(slots)
 
+    @_guard
     def touch(self, keys: Sequence[bytes]) -> None:
         """LRU update for a prefix hit, one write txn: keys[0] becomes the most recent,
         keys[-1] the least recent of the chain, so a chain is evicted tail first.
@@ -644,6 +692,7 @@ class Index:
             put(k, pack(s, g, tick), db=kdb)
         self._set(txn, b"tick", tick)
 
+    @_guard
     def drop(self, keys: Iterable[bytes]) -> list[Entry]:
         """Remove entries (e.g. a slot failed verification); their slots go back to free.
         Returns the removed entries; absent keys are ignored."""
