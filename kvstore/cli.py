@@ -260,6 +260,31 @@ def bench_connector(prefix_blocks, requests, as_json):
     click.echo(json.dumps(out, indent=2) if as_json else connector_bench.format_table(out))
 
 
+@bench.command("soak")
+@click.option("--requests", default=20000, show_default=True, type=click.IntRange(1, 10**7))
+@click.option("--interval", default=2000, show_default=True, type=click.IntRange(1, 10**7))
+@click.option("--capacity", default="16M", show_default=True, help="Store capacity (far below the working set).")
+@click.option("--json", "as_json", is_flag=True)
+def bench_soak(requests, interval, capacity, as_json):
+    """A long replay with constant eviction: memory, fds and pins must stay flat."""
+    from kvstore.bench import soak_bench
+    try:
+        out = soak_bench.run(requests=requests, interval=interval, capacity=capacity,
+                             out=(lambda *a: None) if as_json else click.echo)
+    except (KVStoreError, OSError) as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+    else:
+        v = out["verdict"]
+        click.echo(f"{out['requests']} requests in {out['seconds']:.0f} s ({out['req_per_s']:.0f} req/s); "
+                   f"RSS growth over the second half {out['rss_growth_mb_second_half']:+.1f} MiB, "
+                   f"fd growth {out['fd_growth_second_half']:+d}, pinned at end {out['final_pinned']}")
+        click.echo("verdict: " + ", ".join(f"{k}={'yes' if ok else 'NO'}" for k, ok in v.items()))
+    if not out["ok"]:
+        sys.exit(1)
+
+
 @main.command()
 @click.option("--store", type=click.Path(file_okay=False), default=None,
               help="Keep the store in this directory (default: a temporary one, removed after).")
