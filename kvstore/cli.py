@@ -160,12 +160,12 @@ class _FsckCommand(click.Command):
 @click.option("--repair", is_flag=True,
               help="Fix what is found (takes the writer lock; refuses while a server holds it).")
 @click.option("--rebuild-index", is_flag=True,
-              help="Recreate index/ from the slot headers (implies --repair).")
+              help="Recreate index/ from the slots (reads and verifies every slot; implies --repair).")
 @click.option("--json", "as_json", is_flag=True, help="Print every finding and the counts as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @click.option("--queue-depth", default=32, show_default=True, type=click.IntRange(1, 4096))
 @click.option("--staging", default="256M", show_default=True,
-              help="Staging memory for reads (split in two halves to overlap I/O and checksums).")
+              help="Staging memory for --deep reads (shared by two rings per rank, each double-buffered).")
 def fsck_cmd(store, deep, repair, rebuild_index, as_json, quiet, queue_depth, staging):
     """Check STORE (and with --repair, fix it), like e2fsck.
 

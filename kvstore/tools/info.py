@@ -1,0 +1,177 @@
+"""`kvstore info STORE`: what a store is and how full it is.
+
+Read-only and lock-free (safe next to a running server): the fingerprint, the slot
+geometry, used / free / reserved / pinned slots, hit and eviction counters, how long ago
+the oldest entry was last used, file sizes and who holds the writer lock. Everything is
+O(1) in the store size (index counters and LMDB statistics, no scan).
+
+Pins live in the memory of the process that serves from the store; another process
+cannot see them, so `pinned_slots` is what *this* opener holds (0 for the CLI). Slots
+reserved by in-flight stores are in the index and are shown as `reserved_slots`.
+Ages are in index ticks (one tick per block committed or hit), not seconds: the index
+keeps access order, not wall-clock time.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import stat
+
+from kvstore.engine import DiskStore, WriterLock, rank_dir, slot_file_path
+from kvstore.errors import KVStoreError
+from kvstore.layout import FINGERPRINT, format_size, read_fingerprint
+
+__all__ = ["gather", "format_text"]
+
+
+def _file_usage(path: str) -> tuple[int, int] | None:
+    """(apparent bytes, allocated bytes) of a regular file, None if absent or not one."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return st.st_size, st.st_blocks * 512
+
+
+def gather(path: str) -> dict:
+    """Everything `kvstore info` shows, as a JSON-able dict.
+
+    Raises KVStoreError when `path` is not a store (no readable fingerprint). A store
+    whose index cannot be opened still yields the fingerprint and files, with
+    `index_error` set (and the slot counters left out).
+    """
+    path = os.path.abspath(path)
+    layout, geo, doc = read_fingerprint(path)
+    out: dict = {
+        "store": path,
+        "format_version": doc.get("format_version"),
+        "layout": layout.to_dict(),
+        "created_by": doc.get("created_by"),
+        "created_at": doc.get("created_at"),
+        "capacity_bytes": int(doc["capacity_bytes"]),
+        "capacity_slots": geo.num_slots,
+        "slot_size": geo.slot_size,
+        "block_bytes": layout.block_bytes,
+        "slots_per_file": geo.slots_per_file,
+        "files_per_rank": geo.num_files,
+        "tp_size": layout.tp_size,
+        "writer_pid": WriterLock.holder(path),
+    }
+    try:
+        with DiskStore(path, readonly=True) as st:
+            s = st.stats()
+    except KVStoreError as exc:
+        out["index_error"] = str(exc)
+        s = None
+    if s is not None:
+        looked_up = s["hits"] + s["misses"]
+        oldest = s["oldest_tick"]
+        out.update({
+            "capacity_slots": s["capacity_slots"],
+            "used_slots": s["used_slots"],
+            "free_slots": s["free_slots"],
+            "reserved_slots": s["reserved_slots"],
+            "pinned_slots": s["pinned_slots"],
+            "used_bytes": s["used_slots"] * geo.slot_size * layout.tp_size,
+            "hits": s["hits"],
+            "misses": s["misses"],
+            "hit_rate": (s["hits"] / looked_up) if looked_up else None,
+            "evictions": s["evictions"],
+            "duplicates": s["duplicates"],
+            "stale_commits": s["stale_commits"],
+            "tick": s["tick"],
+            "generation": s["generation"],
+            "oldest_tick": oldest,
+            "oldest_age_ticks": (s["tick"] - oldest) if oldest is not None else None,
+            "index_map_bytes": s["map_size"],
+            "index_data_bytes": s["data_bytes"],
+        })
+        if geo.num_slots != s["capacity_slots"]:
+            out["index_error"] = (f"the index has {s['capacity_slots']} slots but the fingerprint "
+                                  f"{geo.num_slots}; run `kvstore fsck`")
+    files: dict = {}
+    fp = _file_usage(os.path.join(path, FINGERPRINT))
+    files["fingerprint_bytes"] = fp[0] if fp else None
+    mdb = _file_usage(os.path.join(path, "index", "data.mdb"))
+    files["index_bytes"] = mdb[0] if mdb else None
+    files["index_allocated_bytes"] = mdb[1] if mdb else None
+    ranks = []
+    for r in range(layout.tp_size):
+        apparent = allocated = missing = wrong_size = 0
+        for i in range(geo.num_files):
+            u = _file_usage(slot_file_path(path, r, i))
+            if u is None:
+                missing += 1
+                continue
+            apparent += u[0]
+            allocated += u[1]
+            if u[0] != geo.file_slots(i) * geo.slot_size:
+                wrong_size += 1
+        ranks.append({"rank": r, "dir": rank_dir(path, r), "files": geo.num_files,
+                      "missing_files": missing, "wrong_size_files": wrong_size,
+                      "bytes": apparent, "allocated_bytes": allocated})
+    files["ranks"] = ranks
+    files["slot_bytes"] = sum(x["bytes"] for x in ranks)
+    files["slot_allocated_bytes"] = sum(x["allocated_bytes"] for x in ranks)
+    out["files"] = files
+    return out
+
+
+def _pct(n: int, d: int) -> str:
+    return f"{100.0 * n / d:.1f}%" if d else "-"
+
+
+def format_text(info: dict) -> str:
+    L = info["layout"]
+    rows = [("store", info["store"])]
+    rows.append(("fingerprint",
+                 f"model={L['model']} dtype={L['dtype']} block_size={L['block_size']} tokens "
+                 f"block_bytes={format_size(L['block_bytes'])}/rank layers={L['num_layers']} "
+                 f"kv_heads={L['num_kv_heads']} head_dim={L['head_dim']} tp_size={L['tp_size']} "
+                 f"hash={L['hash_algo']}" + (f" kv_layout={L['kv_layout']}" if L.get("kv_layout") else "")))
+    created = info.get("created_at")
+    when = (datetime.datetime.fromtimestamp(created).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+            if isinstance(created, int) else "?")
+    rows.append(("format", f"version {info['format_version']}, created by {info.get('created_by')} on {when}"))
+    rows.append(("capacity",
+                 f"{format_size(info['capacity_bytes'])}: {info['capacity_slots']:,} slots of "
+                 f"{format_size(info['slot_size'])} x {info['tp_size']} rank(s), "
+                 f"{info['files_per_rank']} slot file(s) per rank"))
+    if "used_slots" in info:
+        cap = info["capacity_slots"]
+        rows.append(("slots", f"used {info['used_slots']:,} ({_pct(info['used_slots'], cap)}), "
+                              f"free {info['free_slots']:,}, reserved {info['reserved_slots']:,}, "
+                              f"pinned {info['pinned_slots']:,} (pins live in the serving process)"))
+        rate = f"{100.0 * info['hit_rate']:.1f}%" if info["hit_rate"] is not None else "-"
+        rows.append(("lookups", f"{info['hits']:,} hits, {info['misses']:,} misses (hit rate {rate})"))
+        rows.append(("evictions", f"{info['evictions']:,} (duplicate stores {info['duplicates']:,}, "
+                                  f"stale commits {info['stale_commits']:,})"))
+        if info["oldest_tick"] is None:
+            rows.append(("oldest entry", "- (store is empty)"))
+        else:
+            rows.append(("oldest entry", f"last used {info['oldest_age_ticks']:,} ticks ago "
+                                         f"(tick {info['oldest_tick']:,} of {info['tick']:,})"))
+    if info.get("index_error"):
+        rows.append(("index", f"ERROR: {info['index_error']}"))
+    f = info["files"]
+    idx = (f"{format_size(f['index_bytes'])} (map {format_size(info['index_map_bytes'])})"
+           if f["index_bytes"] is not None and "index_map_bytes" in info
+           else (format_size(f["index_bytes"]) if f["index_bytes"] is not None else "missing"))
+    rows.append(("files", f"{FINGERPRINT} {f['fingerprint_bytes']} B, index/data.mdb {idx}"))
+    for r in f["ranks"]:
+        bad = []
+        if r["missing_files"]:
+            bad.append(f"{r['missing_files']} MISSING")
+        if r["wrong_size_files"]:
+            bad.append(f"{r['wrong_size_files']} WRONG SIZE")
+        rows.append((f"rank{r['rank']}", f"{r['files']} slot file(s), {format_size(r['bytes'])} "
+                                         f"({format_size(r['allocated_bytes'])} allocated)"
+                                         + (f"; {', '.join(bad)}: run `kvstore fsck`" if bad else "")))
+    pid = info["writer_pid"]
+    rows.append(("writer", "none (nobody holds the writer lock)" if pid is None
+                 else f"pid {pid} holds the writer lock" if pid > 0
+                 else "held by a process whose pid is unknown"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,590 @@
+"""`kvstore warmup STORE [PROMPTS]`: fill a store before traffic arrives.
+
+Input (PROMPTS, one prompt per line; `--format auto` looks at the first line):
+- plain text lines (`text`): tokenized as vLLM's completions endpoint does
+  (`tokenizer.encode(text)`, special tokens added);
+- JSONL (`jsonl`): `{"prompt": "text"}`, `{"prompt": [ids]}`, `{"prompt_token_ids": [ids]}`,
+  `{"token_ids": [ids]}` or chat format `{"messages": [...]}`, rendered with the model's
+  chat template and tokenized as vLLM's chat endpoint does (`apply_chat_template(...,
+  tokenize=True, add_generation_prompt=True)`, no extra special tokens); any object may
+  carry `"cache_salt"`;
+- token-id lists (`tokens`): one JSON list of ints per line.
+Text and chat prompts need the model's tokenizer: `--tokenizer DIR` (default: `--model`,
+else the store's model name when it is a local directory).
+
+Sources:
+- `--from-store SRC`: copy the prompts' blocks (or with `--all` every block, hottest
+  first) from another store with the same layout, every block verified (header and
+  payload checksum) on the way;
+- `--model M`: run vLLM offline with the kvstore connector storing, one output token per
+  prompt (needs a GPU).
+
+Rules: blocks already in STORE are skipped (so an interrupted run resumes where it
+stopped); without `--allow-evict-hotter` only free slots are used, so no existing entry
+is evicted, and the run stops when the store is full; with it, existing entries are
+evicted in LRU order but never a block this run wrote or is completing. A prompt's chain
+stops at its first block that the source lacks or that fails verification (later blocks
+could never be hit). At the end the warmed blocks are made the most recently used, in
+input order (first prompt, or the source's hottest block, most recent), each chain head
+before its tail, so eviction later takes chains from the tail. `--dry-run` opens STORE
+read-only and reports what would be written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+from kvstore.engine import DiskStore
+from kvstore.errors import ConfigError, KVStoreError, StoreFull
+from kvstore.layout import check_layout, format_size
+
+__all__ = ["PromptItem", "read_prompts", "warmup", "format_text", "GPU_REQUIRED"]
+
+FORMATS = ("auto", "text", "jsonl", "tokens")
+GPU_REQUIRED = (
+    "warmup --model runs the model with vLLM to compute the KV cache and needs a GPU; "
+    "this machine has none (torch.cuda.is_available() is False). Without a GPU, copy blocks "
+    "from another store of the same layout instead: kvstore warmup STORE PROMPTS --from-store SRC "
+    "(or --from-store SRC --all)")
+
+
+class WarmupInputError(ConfigError):
+    """A prompts file line that cannot be understood (names file and line)."""
+
+
+@dataclass
+class PromptItem:
+    line: int
+    token_ids: list[int] | None = None
+    text: str | None = None
+    messages: list | None = None
+    cache_salt: str | None = None
+
+
+def _ids(value, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in value):
+        raise WarmupInputError(f"{where}: token ids must be a list of non-negative integers")
+    return value
+
+
+def _parse_json_line(obj, where: str) -> PromptItem:
+    line = int(where.rsplit(":", 1)[1])
+    if isinstance(obj, list):
+        return PromptItem(line, token_ids=_ids(obj, where))
+    if not isinstance(obj, dict):
+        raise WarmupInputError(f"{where}: expected a JSON object or a list of token ids")
+    salt = obj.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise WarmupInputError(f"{where}: cache_salt must be a string")
+    for k in ("prompt_token_ids", "token_ids"):
+        if k in obj:
+            return PromptItem(line, token_ids=_ids(obj[k], where), cache_salt=salt)
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m for m in msgs):
+            raise WarmupInputError(f"{where}: messages must be a list of {{\"role\", \"content\"}} objects")
+        return PromptItem(line, messages=msgs, cache_salt=salt)
+    if "prompt" in obj:
+        p = obj["prompt"]
+        if isinstance(p, str):
+            return PromptItem(line, text=p, cache_salt=salt)
+        return PromptItem(line, token_ids=_ids(p, where), cache_salt=salt)
+    raise WarmupInputError(f"{where}: no prompt: expected one of prompt, messages, prompt_token_ids, "
+                           "token_ids")
+
+
+def read_prompts(path: str, fmt: str = "auto") -> list[PromptItem]:
+    """Parse a prompts file (see the module docstring); errors name the file and line."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"format {fmt!r} is not valid; choose one of {', '.join(FORMATS)}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        raise KVStoreError(f"cannot read prompts file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise WarmupInputError(f"{path}: not UTF-8 text ({exc})") from None
+    if fmt == "auto":
+        first = next((ln for ln in lines if ln.strip()), "")
+        fmt = "text"
+        if first.lstrip()[:1] in ("{", "["):
+            try:
+                json.loads(first)
+                fmt = "jsonl"
+            except ValueError:
+                pass
+    out = []
+    for i, ln in enumerate(lines, 1):
+        if not ln.strip():
+            continue
+        where = f"{path}:{i}"
+        if fmt == "text":
+            out.append(PromptItem(i, text=ln))
+            continue
+        try:
+            obj = json.loads(ln)
+        except ValueError as exc:
+            raise WarmupInputError(f"{where}: not valid JSON ({exc.msg}); use --format text for "
+                                   "plain-text prompts") from None
+        if fmt == "tokens" and not isinstance(obj, list):
+            raise WarmupInputError(f"{where}: --format tokens expects a JSON list of token ids per line")
+        out.append(_parse_json_line(obj, where))
+    return out
+
+
+class _Tokenizer:
+    """The model's tokenizer, loaded lazily through vLLM (as `vllm serve` loads it)."""
+
+    def __init__(self, name: str | None):
+        self.name = name
+        self._tok = None
+
+    def _get(self):
+        if self._tok is None:
+            if not self.name:
+                raise ConfigError("text and chat prompts need the model's tokenizer: pass --tokenizer DIR "
+                                  "(a local Hugging Face tokenizer directory), or give token ids")
+            from vllm.tokenizers import get_tokenizer
+            try:
+                self._tok = get_tokenizer(self.name)
+            except Exception as exc:  # noqa: BLE001 - any loader failure is a user error here
+                raise ConfigError(f"cannot load tokenizer {self.name!r}: {exc}") from None
+        return self._tok
+
+    def ids(self, item: PromptItem) -> list[int]:
+        if item.token_ids is not None:
+            return item.token_ids
+        tok = self._get()
+        if item.messages is not None:
+            ids = tok.apply_chat_template(item.messages, tokenize=True, add_generation_prompt=True,
+                                          return_dict=False)
+            return list(ids)
+        return list(tok.encode(item.text))
+
+
+@dataclass
+class Summary:
+    store: str
+    source: str
+    dry_run: bool = False
+    prompts_total: int = 0             # prompts in the input
+    prompts: int = 0                   # prompts processed (fewer when the run stopped)
+    prompts_complete: int = 0          # every full block was already in the store
+    tokens: int = 0
+    blocks: int = 0                    # distinct full blocks of the input (source blocks with --all)
+    blocks_present: int = 0            # already in the store: skipped
+    blocks_written: int = 0            # (would be written with --dry-run)
+    blocks_not_in_source: int = 0
+    blocks_failed_verification: int = 0
+    blocks_no_space: int = 0
+    blocks_after_break: int = 0        # later blocks of a chain with a hole: never reachable
+    blocks_write_errors: int = 0
+    bytes_written: int = 0
+    evictions: int = 0
+    seconds: float = 0.0
+    stopped: str | None = None         # None | "store full" | "interrupted"
+    notes: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["write_gbps"] = round(self.bytes_written / self.seconds / 1e9, 3) if self.seconds and not self.dry_run else None
+        return d
+
+
+def _chunks(seq, n):
+    for i in range(0, len(seq), n):
+        yield seq[i:i + n]
+
+
+class _Copier:
+    """Copies blocks from a source store into the destination, within the eviction rules."""
+
+    def __init__(self, src: DiskStore, dst: DiskStore, summary: Summary, *, dry_run: bool,
+                 allow_evict_hotter: bool, chunk_blocks: int, block_bytes_all_ranks: int):
+        self.src, self.dst, self.sm = src, dst, summary
+        self.dry_run = dry_run
+        self.allow_evict = allow_evict_hotter
+        self.chunk = chunk_blocks
+        self.bpb = block_bytes_all_ranks
+        st = dst.stats()
+        self.free_left = st["free_slots"]
+        self.evictions0 = st["evictions"]
+        self.full = False
+        self.order: list[bytes] = []        # warmed keys, hottest first (for the final touch)
+        self._planned: set[bytes] = set()   # dry run: keys counted as written already
+        self._seen: set[bytes] = set()      # keys of the input met so far (counted once)
+
+    def _present(self, key: bytes) -> bool:
+        return key in self._planned or self.dst.lookup(key) is not None
+
+    def copy(self, keys: list[bytes], chain: bool, on_progress) -> bool:
+        """Copy `keys` (a prompt's chain when `chain`, else independent blocks). Blocks
+        shared with earlier input (a common system prompt) are counted once. Returns True
+        when every block was already in the store."""
+        sm = self.sm
+        new = [k for k in keys if k not in self._seen]
+        self._seen.update(new)
+        sm.blocks += len(new)
+        new = set(new)
+        n_keys = len(keys)
+        if chain:
+            avail = len(self.src.longest_prefix(keys))
+            if avail < len(keys):   # the first block the source lacks ends the chain
+                sm.blocks_not_in_source += keys[avail] in new
+                sm.blocks_after_break += sum(1 for k in keys[avail + 1:] if k in new)
+            keys = keys[:avail]
+        need, done = [], []
+        for k in keys:
+            if self._present(k):
+                if k in new:
+                    sm.blocks_present += 1
+                done.append(k)
+            else:
+                need.append(k)
+        complete = n_keys > 0 and not need and len(keys) == n_keys
+        if self.allow_evict and not self.dry_run:
+            self._pin(done)
+        broken = False
+        pos = 0
+        while pos < len(need) and not self.full:
+            part = need[pos:pos + self.chunk]
+            if not self.allow_evict:
+                if self.free_left <= 0:
+                    self.full = True
+                    break
+                part = part[:self.free_left]
+            wrote, consumed, hole = self._copy_part(part)
+            done.extend(wrote)
+            pos += consumed
+            on_progress(len(wrote))
+            if hole and chain:
+                broken = True
+                break
+        if self.full:
+            sm.blocks_no_space += len(need) - pos
+        elif broken:
+            # the chain ends at its first hole: the rest could never be hit
+            sm.blocks_after_break += len(need) - pos
+        if done:
+            wanted = set(done)
+            self.order.extend(k for k in keys if k in wanted)
+        return complete
+
+    def _copy_part(self, part: list[bytes]) -> tuple[list[bytes], int, bool]:
+        """Copy a run of blocks, up to the first that the source lacks or fails to verify.
+        Returns (keys written, how many of `part` were dealt with, whether a block of
+        `part` is left missing: absent or corrupt in the source, or its write failed)."""
+        sm = self.sm
+        if self.dry_run:
+            got = [e.key for e in self.src.longest_prefix(part)]
+            self._planned.update(got)
+            self.free_left -= len(got)
+            sm.blocks_written += len(got)
+            sm.bytes_written += len(got) * self.bpb
+            if len(got) < len(part):
+                sm.blocks_not_in_source += 1
+                return got, len(got) + 1, True
+            return got, len(got), False
+        data = self.src.get(part, verify="checksum", touch=False)
+        got = []
+        for k in part:
+            if k not in data:
+                break
+            got.append(k)
+        bad = len(got) < len(part)
+        if bad:
+            if self.src.lookup(part[len(got)]) is None:
+                sm.blocks_not_in_source += 1
+            else:
+                sm.blocks_failed_verification += 1
+        stored = self._put(got, data)
+        sm.blocks_written += len(stored)
+        sm.bytes_written += len(stored) * self.bpb
+        self.free_left -= len(stored)
+        if self.full:  # stored is a prefix of got: the rest had no room
+            return stored, len(stored), False
+        errors = len(got) - len(stored)
+        sm.blocks_write_errors += errors
+        return stored, len(got) + bad, bad or errors > 0
+
+    def _put(self, keys: list[bytes], data: dict) -> list[bytes]:
+        if not keys:
+            return []
+        try:
+            stored = self.dst.put(keys, lambda i, r: data[keys[i]][r])
+            if self.allow_evict:
+                self._pin(stored)  # before the next put can pick them as victims
+            return stored
+        except StoreFull:
+            if len(keys) == 1:
+                self.full = True
+                return []
+            half = len(keys) // 2
+            first = self._put(keys[:half], data)
+            if self.full:
+                return first
+            return first + self._put(keys[half:], data)
+
+    def _pin(self, keys: list[bytes]) -> None:
+        slots = [e.slot for e in (self.dst.lookup(k) for k in keys) if e is not None]
+        self.dst.pin(slots)
+
+    def finish(self) -> None:
+        """Make warmed blocks the most recently used, input order first (one txn per 50k)."""
+        if self.dry_run or not self.order:
+            return
+        order = list(dict.fromkeys(self.order))
+        for part in reversed(list(_chunks(order, 50_000))):
+            self.dst.touch(part)
+        self.sm.evictions = self.dst.stats()["evictions"] - self.evictions0
+
+
+def warmup(store: str, prompts: str | None = None, *, from_store: str | None = None,
+           model: str | None = None, all_blocks: bool = False, tokenizer: str | None = None,
+           fmt: str = "auto", dry_run: bool = False, allow_evict_hotter: bool = False,
+           chunk_blocks: int = 64, progress=None, group: int = 0,
+           connector_config: dict | None = None, engine_args: dict | None = None) -> Summary:
+    """Fill `store`; returns the Summary. Raises KVStoreError subclasses for user errors
+    (StoreLocked when a server holds the store, LayoutMismatch for another layout)."""
+    if (from_store is None) == (model is None):
+        raise ConfigError("choose one source: --from-store SRC or --model M")
+    if all_blocks and from_store is None:
+        raise ConfigError("--all copies a whole store and needs --from-store SRC")
+    if all_blocks and prompts:
+        raise ConfigError("--all copies every block of the source; leave out the prompts file")
+    if not all_blocks and not prompts:
+        raise ConfigError("give a prompts file (or --all with --from-store)")
+    if chunk_blocks < 1:
+        raise ConfigError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
+    if model is not None:
+        return _warmup_model(store, prompts, model, tokenizer=tokenizer, fmt=fmt, dry_run=dry_run,
+                             progress=progress, group=group, connector_config=connector_config,
+                             engine_args=engine_args, allow_evict_hotter=allow_evict_hotter)
+    items = read_prompts(prompts, fmt) if prompts else []
+    src = DiskStore(from_store, readonly=True, io=not dry_run)
+    try:
+        dst = DiskStore(store, readonly=dry_run, io=not dry_run)
+        try:
+            check_layout(dst.path, dst.layout, src.layout)
+            sm = Summary(store=dst.path, source=f"store {src.path}", dry_run=dry_run,
+                         prompts_total=len(items))
+            lay = dst.layout
+            cp = _Copier(src, dst, sm, dry_run=dry_run, allow_evict_hotter=allow_evict_hotter,
+                         chunk_blocks=chunk_blocks, block_bytes_all_ranks=lay.block_bytes * lay.tp_size)
+            tok = _Tokenizer(tokenizer or (lay.model if os.path.isdir(lay.model) else None))
+            if items:
+                # Import vLLM (seconds) and check the hash algorithm before the clock starts.
+                from kvstore.tools.keys import none_hash
+                none_hash(lay.hash_algo)
+            t0 = time.perf_counter()
+            try:
+                if all_blocks:
+                    _copy_all(cp, src, sm, progress)
+                else:
+                    _copy_prompts(cp, items, tok, lay, sm, progress, group)
+            except KeyboardInterrupt:
+                sm.stopped = "interrupted"
+            if cp.full and sm.stopped is None:
+                sm.stopped = "store full"
+                if not allow_evict_hotter:
+                    sm.notes.append("the store is full: no entry was evicted; pass --allow-evict-hotter "
+                                    "to evict existing entries (least recently used first)")
+            cp.finish()
+            sm.seconds = round(time.perf_counter() - t0, 3)
+            return sm
+        finally:
+            dst.close()
+    finally:
+        src.close()
+
+
+def _bar(progress, desc, total, unit):
+    return progress(desc, total, unit) if progress else None
+
+
+def _copy_prompts(cp: _Copier, items, tok: _Tokenizer, lay, sm: Summary, progress, group: int) -> None:
+    from kvstore.tools.keys import prompt_block_keys
+    bar = _bar(progress, "warmup", len(items), "prompts")
+    t0 = time.perf_counter()
+
+    def note(n_blocks):
+        if bar:
+            el = max(time.perf_counter() - t0, 1e-9)
+            bar.update(0, tokens=f"{sm.tokens:,}", blocks=f"{sm.blocks_written:,}",
+                       rate=f"{sm.bytes_written / el / 1e9:.2f} GB/s")
+    try:
+        for item in items:
+            if cp.full:
+                break
+            ids = tok.ids(item)
+            keys = prompt_block_keys(ids, lay.block_size, group, hash_algo=lay.hash_algo,
+                                     cache_salt=item.cache_salt)
+            sm.prompts += 1
+            sm.tokens += len(ids)
+            if cp.copy(keys, True, note):
+                sm.prompts_complete += 1
+            if bar:
+                bar.update(1)
+                note(0)
+    finally:
+        if bar:
+            bar.close()
+
+
+def _copy_all(cp: _Copier, src: DiskStore, sm: Summary, progress) -> None:
+    total = src.stats()["used_slots"]
+    bar = _bar(progress, "warmup --all", total, "blocks")
+    t0 = time.perf_counter()
+
+    def note(n):
+        if bar:
+            el = max(time.perf_counter() - t0, 1e-9)
+            bar.update(0, written=f"{sm.blocks_written:,}", rate=f"{sm.bytes_written / el / 1e9:.2f} GB/s")
+    try:
+        batch: list[bytes] = []
+        for e in src.index.iter_lru(hottest_first=True):
+            batch.append(e.key)
+            if len(batch) >= cp.chunk * 4:
+                _all_batch(cp, batch, sm, bar, note)
+                batch = []
+                if cp.full:
+                    break
+        if batch and not cp.full:
+            _all_batch(cp, batch, sm, bar, note)
+        if cp.full:  # the rest of the source was not even looked at: count it as no space
+            rest = max(0, total - sm.blocks)
+            sm.blocks += rest
+            sm.blocks_no_space += rest
+    finally:
+        if bar:
+            bar.close()
+
+
+def _all_batch(cp, batch, sm, bar, note):
+    cp.copy(batch, False, note)
+    if bar:
+        bar.update(len(batch))
+        note(0)
+
+
+def _warmup_model(store, prompts, model, *, tokenizer, fmt, dry_run, progress, group,
+                  connector_config, engine_args, allow_evict_hotter) -> Summary:
+    """vLLM offline with the kvstore connector storing; one output token per prompt.
+
+    The connector evicts LRU entries when the store is full, so without
+    allow_evict_hotter only as many prompts run (in input order) as the free slots hold.
+    """
+    import torch
+    if not torch.cuda.is_available():
+        raise KVStoreError(GPU_REQUIRED)
+    from kvstore.tools.keys import prompt_block_keys
+    items = read_prompts(prompts, fmt)
+    tok = _Tokenizer(tokenizer or model)
+    t0 = time.perf_counter()
+    with DiskStore(store, readonly=True) as dst:
+        lay = dst.layout
+        sm = Summary(store=dst.path, source=f"model {model}", dry_run=dry_run, prompts_total=len(items))
+        todo = []
+        free = dst.stats()["free_slots"]
+        planned: set[bytes] = set()   # distinct missing blocks of the prompts to run
+        seen: set[bytes] = set()
+        for item in items:
+            ids = tok.ids(item)
+            keys = prompt_block_keys(ids, lay.block_size, group, hash_algo=lay.hash_algo,
+                                     cache_salt=item.cache_salt)
+            have = {k for k in keys if dst.lookup(k) is not None}
+            new = [k for k in dict.fromkeys(keys) if k not in seen]   # shared blocks count once
+            seen.update(new)
+            sm.prompts += 1
+            sm.tokens += len(ids)
+            sm.blocks += len(new)
+            sm.blocks_present += sum(1 for k in new if k in have)
+            if keys and len(have) == len(set(keys)):
+                sm.prompts_complete += 1
+                continue
+            missing = {k for k in keys if k not in planned and k not in have}
+            if not allow_evict_hotter and len(planned) + len(missing) > free:
+                sm.blocks_no_space += len(missing)
+                sm.stopped = "store full"
+                continue
+            planned |= missing
+            todo.append((ids, item.cache_salt, keys))
+        if sm.stopped == "store full":
+            sm.notes.append("prompts whose blocks do not fit the free slots were skipped (the connector "
+                            "would evict existing entries); pass --allow-evict-hotter to run them")
+        if dry_run:
+            sm.blocks_written = len(planned)
+            sm.bytes_written = sm.blocks_written * lay.block_bytes * lay.tp_size
+            sm.seconds = round(time.perf_counter() - t0, 3)
+            return sm
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    # The store must exist (its layout is checked against the model's by the connector).
+    extra = {"path": os.path.abspath(store), "create": False, **(connector_config or {})}
+    llm = LLM(model=model, tokenizer=tokenizer or model, enable_prefix_caching=True,
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.vllm",
+                  kv_role="kv_both", kv_load_failure_policy="recompute",
+                  kv_connector_extra_config=extra),
+              **(engine_args or {}))
+    bar = _bar(progress, "warmup --model", len(todo), "prompts")
+    try:
+        for part in _chunks(todo, 64):
+            reqs = [{"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
+                    for ids, salt, _ in part]
+            llm.generate(reqs, SamplingParams(max_tokens=1), use_tqdm=False)
+            if bar:
+                bar.update(len(part))
+    except KeyboardInterrupt:
+        sm.stopped = "interrupted"
+    finally:
+        if bar:
+            bar.close()
+        del llm
+        import gc
+        gc.collect()  # an in-process engine core must release the index before we reopen it
+    with DiskStore(store, readonly=True) as dst:
+        sm.blocks_written = sum(dst.lookup(k) is not None for k in planned)
+    sm.bytes_written = sm.blocks_written * lay.block_bytes * lay.tp_size
+    sm.seconds = round(time.perf_counter() - t0, 3)
+    return sm
+
+
+def format_text(sm: Summary) -> str:
+    d = sm.to_json()
+    verb = "would write" if sm.dry_run else "wrote"
+    lines = [f"kvstore warmup {sm.store} from {sm.source}" + (" (dry run: nothing written)" if sm.dry_run else "")]
+    if sm.prompts_total:
+        n = f"{sm.prompts:,}" if sm.prompts == sm.prompts_total else f"{sm.prompts:,} of {sm.prompts_total:,}"
+        lines.append(f"  prompts        {n} ({sm.prompts_complete:,} already complete in the store), "
+                     f"{sm.tokens:,} tokens")
+    lines.append(f"  blocks         {sm.blocks:,} full blocks: {sm.blocks_present:,} already present, "
+                 f"{verb} {sm.blocks_written:,}")
+    if sm.blocks_not_in_source:
+        lines.append(f"  not in source  {sm.blocks_not_in_source:,} block(s)")
+    if sm.blocks_failed_verification:
+        lines.append(f"  corrupt        {sm.blocks_failed_verification:,} block(s) failed verification in the "
+                     "source (not copied)")
+    if sm.blocks_after_break:
+        lines.append(f"  after a hole   {sm.blocks_after_break:,} block(s) not copied: their chain has a "
+                     "missing block before them, so they could never be hit")
+    if sm.blocks_write_errors:
+        lines.append(f"  write errors   {sm.blocks_write_errors:,} block(s) failed to write (see the log); "
+                     "run again to retry")
+    if sm.blocks_no_space:
+        lines.append(f"  no space       {sm.blocks_no_space:,} block(s) not written")
+    if sm.dry_run:
+        lines.append(f"  bytes          {format_size(sm.bytes_written)} would be written")
+    else:
+        rate = f", {d['write_gbps']:.2f} GB/s" if d["write_gbps"] is not None else ""
+        lines.append(f"  bytes          {format_size(sm.bytes_written)} written in {sm.seconds:.2f} s{rate}"
+                     + (f", {sm.evictions:,} evictions" if sm.evictions else ""))
+    if sm.stopped:
+        lines.append(f"  stopped        {sm.stopped}" + ("; run the same command again to resume"
+                                                         if sm.stopped == "interrupted" else ""))
+    for n in sm.notes:
+        lines.append(f"  note: {n}")
+    return "\n".join(lines)
