@@ -44,6 +44,13 @@ class KVStoreScheduler:
         self._candidates: dict[str, tuple[int, list[SlotRef]]] = {}  # pinned, pre-alloc
         self._pending_loads: list[LoadJob] = []
         self._inflight_loads: dict[str, tuple[LoadJob, list[SlotRef]]] = {}
+        # Requests whose disk load failed (error, corruption, timeout): they recompute and
+        # never read the disk again, or a stalled disk would make them load, time out and
+        # look up the same blocks forever (a block-0 failure resets num_computed_tokens).
+        self._load_failed: set[str] = set()
+        # Failed blocks of in-flight loads. A rank reports its failed blocks when its
+        # part ends, which can be steps before the last rank finishes the request.
+        self._load_invalid: dict[str, set[int]] = {}
         self._inflight_stores: dict[int, dict] = {}
         self._storing_keys: set[bytes] = set()
         self._stored_upto: dict[str, int] = {}
@@ -94,7 +101,7 @@ class KVStoreScheduler:
             return len(cand[1]) * self.block_size, True
         self._release_candidate(req_id)
         if getattr(request.sampling_params, "skip_reading_prefix_cache", False) or \
-                req_id in self._inflight_loads:
+                req_id in self._inflight_loads or req_id in self._load_failed:
             return 0, False
         bs = self.block_size
         start = num_computed_tokens // bs
@@ -161,9 +168,18 @@ class KVStoreScheduler:
                 continue
             block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
             for i in range(first, min(nfull, len(block_ids))):
-                out.append((block_key(req.block_hashes[i]), block_ids[i], (req_id, i)))
+                out.append((block_key(req.block_hashes[i]), block_ids[i],
+                            self._origin(req, i) if self.events_enabled else None))
             self._stored_upto[req_id] = nfull
         return out
+
+    def _origin(self, req, i: int) -> tuple[list[int], Any]:
+        """(token ids, parent hash) of block i of req, for its BlockStored event. Taken
+        when the store is planned: the request has usually finished (and is gone) by the
+        time every rank reported the write durable."""
+        bs = self.block_size
+        parent = maybe_convert_block_hash(req.block_hashes[i - 1]) if i > 0 else None
+        return list(req.all_token_ids[i * bs:(i + 1) * bs]), parent
 
     def _plan_lazy(self) -> list[tuple[bytes, int, None]]:
         """Cached GPU blocks nearest to eviction (head of vLLM's free queue)."""
@@ -245,12 +261,24 @@ class KVStoreScheduler:
             if wm.bad_keys:
                 self._drop_bad(wm.bad_keys)
         done = set(output.finished_recving or ()) | set(getattr(output, "failed_recving", ()) or ())
+        invalid = getattr(output, "invalid_block_ids", None)
+        if invalid:
+            for job, _ in self._inflight_loads.values():
+                hit = invalid.intersection(job.block_ids)
+                if hit:
+                    self._load_invalid.setdefault(job.req_id, set()).update(hit)
         for req_id in done:
             item = self._inflight_loads.pop(req_id, None)
             if item is None:
                 continue
             job, refs = item
             self.store.unpin(r.slot for r in refs)
+            # Counted here, once per block: the workers' counts are per rank, and the
+            # union of failed blocks over the ranks is only known after aggregation.
+            failed = len(self._load_invalid.pop(req_id, ()))
+            self._stats.add(loaded_blocks=len(job.block_ids) - failed, load_failures=failed)
+            if failed:
+                self._load_failed.add(req_id)
             self._to_touch.extend(job.keys)
         if self._to_touch:
             try:
@@ -286,7 +314,6 @@ class KVStoreScheduler:
         except KVStoreError as exc:
             self._warn_once("drop of a corrupt entry", exc)
             return
-        self._stats.add(load_failures=len(keys))
         self._emit_removed([e.key for e in dropped])
 
     # -- events ----------------------------------------------------------------------
@@ -299,15 +326,9 @@ class KVStoreScheduler:
         origin_of = {r.key: o for r, o in zip(refs, origins)}
         bs = self.block_size
         for r in good:
-            o = origin_of.get(r.key)
-            tokens: list[int] = []
-            parent = None
-            if o is not None:
-                req = self._requests.get(o[0])
-                if req is not None:
-                    tokens = list(req.all_token_ids[o[1] * bs:(o[1] + 1) * bs])
-                    if o[1] > 0:
-                        parent = maybe_convert_block_hash(req.block_hashes[o[1] - 1])
+            # Lazy stores come from vLLM's free queue, which keeps no tokens: their
+            # events carry the hash only.
+            tokens, parent = origin_of.get(r.key) or ([], None)
             self._events.append(BlockStored(
                 block_hashes=[maybe_convert_block_hash(r.key[:-4])], parent_block_hash=parent,
                 token_ids=tokens, block_size=bs, lora_id=None, medium=MEDIUM, lora_name=None,
@@ -323,6 +344,7 @@ class KVStoreScheduler:
         self._release_candidate(req_id)
         self._requests.pop(req_id, None)
         self._stored_upto.pop(req_id, None)
+        self._load_failed.discard(req_id)
         # Stores copy their blocks out within the step that planned them, and loads keep
         # their blocks through vLLM's own WAITING_FOR_REMOTE_KVS hold, so blocks are
         # never held past the request's end.
@@ -332,13 +354,16 @@ class KVStoreScheduler:
         return bool(self._inflight_stores)
 
     def reset_cache(self) -> bool:
-        """Drop every committed entry that no load is reading; in-flight stores abort."""
+        """Drop every committed entry; in-flight stores abort.
+
+        Entries that in-flight loads are reading are dropped too (a reset that reports
+        success must leave nothing to hit): their slots stay pinned, and the index never
+        hands out a pinned slot, so those reads still see the bytes they verify.
+        """
         for st in self._inflight_stores.values():
             st["reset"] = True
         try:
-            keys = [e.key for e in self.store.index.iter_entries()]
-            pinned = set(self.store._pins)
-            drop = [k for k in keys if (e := self.store.lookup(k)) is not None and e.slot not in pinned]
+            drop = [e.key for e in self.store.index.iter_entries()]
             for i in range(0, len(drop), 10000):
                 dropped = self.store.drop(drop[i:i + 10000])
                 self._emit_removed([e.key for e in dropped])

@@ -134,20 +134,23 @@ class KVStoreWorker:
 
     def _start_store(self, job: StoreJob) -> None:
         n = len(job.block_ids)
-        stage = self.slots.take(n)
+        # Never block the step: store the prefix of the job that free staging slots hold
+        # (blocks are in prefix order per request) and drop the rest. Dropping the whole
+        # job instead would mean a prefill step larger than staging is never stored.
+        k = min(n, self.slots.free)
+        stage = self.slots.take(k) if k else None
         if stage is None:
-            # Staging is full of writes still in flight: drop this store, don't block.
             self._report_store(job.job_id, list(range(n)))
-            self._stats.add(store_dropped_blocks=n)
             return
+        dropped = list(range(k, n))
         try:
-            event = self.transfer.gather(job.block_ids, stage)
+            event = self.transfer.gather(job.block_ids[:k], stage)
         except Exception as exc:
             self.slots.give(stage)
             log.warning("kvstore rank %d: gather for store failed: %s", self.rank, exc)
             self._report_store(job.job_id, list(range(n)))
             return
-        self._jobs.put(("store", job, stage, event))
+        self._jobs.put(("store", job, stage, event, dropped))
 
     # -- the I/O thread --------------------------------------------------------------
     def _run(self) -> None:
@@ -163,8 +166,9 @@ class KVStoreWorker:
             except Exception as exc:  # a bug must not kill the I/O thread silently
                 log.exception("kvstore rank %d: I/O job failed: %s", self.rank, exc)
 
-    def _do_store(self, job: StoreJob, stage: list[int], event) -> None:
+    def _do_store(self, job: StoreJob, stage: list[int], event, dropped: list[int]) -> None:
         refs = [SlotRef(k, s, g) for k, s, g in zip(job.keys, job.slots, job.generations)]
+        refs = refs[:len(stage)]
         try:
             KVTransfer.wait(event)
             errors = self.io.write_staged(refs, stage, durable=self.cfg.durability == "fdatasync")
@@ -177,7 +181,7 @@ class KVStoreWorker:
             log.warning("kvstore rank %d: %d of %d block writes failed (first: %s); they are "
                         "not committed", self.rank, len(failed), len(refs), errors[failed[0]])
         self._stats.add(stored_bytes=(len(refs) - len(failed)) * self.io.payload_len)
-        self._report_store(job.job_id, failed)
+        self._report_store(job.job_id, failed + dropped)
 
     def _report_store(self, job_id: int, failed: list[int]) -> None:
         with self._lock:
@@ -228,9 +232,9 @@ class KVStoreWorker:
             st.failed_idx = failed
             st.done = True
         self.loaded_bytes_total += (len(refs) - len(failed)) * self.io.payload_len
-        self._stats.add(loaded_blocks=len(refs) - len(failed),
-                        loaded_bytes=(len(refs) - len(failed)) * self.io.payload_len,
-                        load_failures=len(failed))
+        # Block counts (loaded_blocks, load_failures) are the scheduler's: once per
+        # block, not once per rank.
+        self._stats.add(loaded_bytes=(len(refs) - len(failed)) * self.io.payload_len)
 
     # -- reports to the scheduler ----------------------------------------------------
     def _collect_loads(self) -> None:
@@ -246,7 +250,6 @@ class KVStoreWorker:
                     st.failed_idx = set(range(len(st.job.block_ids)))
                     log.warning("kvstore rank %d: load of request %s timed out after %.1fs; "
                                 "recomputing", self.rank, req_id, self.cfg.load_timeout_s)
-                    self._stats.add(load_failures=len(st.job.block_ids))
                 elif not st.done:
                     continue
             with self._lock:
@@ -294,4 +297,12 @@ class KVStoreWorker:
         self._closed = True
         self._jobs.put(None)
         self._thread.join(timeout=max(5.0, self.cfg.load_timeout_s))
+        if self._thread.is_alive():
+            # The I/O thread is stuck inside a ring submit (a hung disk): closing the ring
+            # or freeing staging under it would crash the process (the kernel may still
+            # write into staging). Leave them to the process exit.
+            log.error("kvstore rank %d: I/O thread still busy after %.0fs at shutdown; "
+                      "leaving its ring and slot files open", self.rank,
+                      max(5.0, self.cfg.load_timeout_s))
+            return
         self.io.close()
