@@ -98,12 +98,19 @@ class Layout:
         except TypeError as exc:
             raise ConfigError(f"incomplete layout: {exc}") from exc
 
+    # block_bytes is derived from the geometry fields: name the cause, not the symptom.
+    # (tp_size before num_kv_heads: the heads recorded are per rank.)
+    _CHECK_ORDER = ("model", "dtype", "block_size", "tp_size", "num_layers", "num_kv_heads",
+                    "head_dim", "hash_algo", "kv_layout", "block_bytes")
+
+    def differences(self, other: "Layout") -> list[tuple[str, object, object]]:
+        """Every differing field as (name, ours, theirs), causes before derived fields."""
+        return [(n, getattr(self, n), getattr(other, n)) for n in self._CHECK_ORDER
+                if getattr(self, n) != getattr(other, n)]
+
     def first_difference(self, other: "Layout") -> tuple[str, object, object] | None:
-        for f in fields(self):
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            if a != b:
-                return f.name, a, b
-        return None
+        diffs = self.differences(other)
+        return diffs[0] if diffs else None
 
 
 @dataclass(frozen=True)
@@ -195,10 +202,11 @@ def read_fingerprint(store_dir: str) -> tuple[Layout, StoreGeometry, dict]:
 
 
 def check_layout(store_dir: str, stored: Layout, wanted: Layout) -> None:
-    diff = stored.first_difference(wanted)
-    if diff is not None:
-        name, have, want = diff
+    diffs = stored.differences(wanted)
+    if diffs:
+        name, have, want = diffs[0]
+        more = "".join(f"; also {n}={h!r} vs {w!r}" for n, h, w in diffs[1:])
         raise LayoutMismatch(
             f"store {store_dir} was written with {name}={have!r} but this engine has "
-            f"{name}={want!r}; refusing to serve KV of another layout. Use another store path "
-            "(or delete this store) for this model/configuration.", field=name)
+            f"{name}={want!r}{more}; refusing to serve KV of another layout. Use another store "
+            "path (or delete this store) for this model/configuration.", field=name)
