@@ -217,7 +217,18 @@ class KVStoreScheduler:
         if not picked:
             return []
         try:
-            refs, evicted = self.store.reserve([k for k, _, _ in picked])
+            try:
+                refs, evicted = self.store.reserve([k for k, _, _ in picked])
+            except StoreFull:
+                # Store what fits (in prefix order) instead of nothing: slots that are
+                # neither pinned nor reserved can still be taken.
+                s = self.store.stats()
+                room = s["free_slots"] + s["used_slots"] - self.store.pinned_slots
+                if room <= 0:
+                    raise
+                self._stats.add(store_dropped_blocks=len(picked) - room)
+                picked = picked[:room]
+                refs, evicted = self.store.reserve([k for k, _, _ in picked])
         except StoreFull:
             self._stats.add(store_dropped_blocks=len(picked))
             return []

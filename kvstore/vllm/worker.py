@@ -84,7 +84,10 @@ class KVStoreWorker:
             self.io.close()
             raise
         self.slots = StagingSlots(self.io.staging_slots)
-        self._jobs: queue.Queue = queue.Queue()
+        # Loads before stores: a request waits on its load (time to first token), while a
+        # store only delays when its blocks become hits. (priority, sequence, job)
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = 0
         self._lock = threading.Lock()
         self._loads: dict[str, _LoadState] = {}
         self._finished_loads: set[str] = set()
@@ -121,7 +124,7 @@ class KVStoreWorker:
             st = _LoadState(job, time.monotonic())
             with self._lock:
                 self._loads[job.req_id] = st
-            self._jobs.put(("load", st))
+            self._put(0, ("load", st))
 
     def wait_for_save(self) -> None:
         meta = self._meta
@@ -150,12 +153,18 @@ class KVStoreWorker:
             log.warning("kvstore rank %d: gather for store failed: %s", self.rank, exc)
             self._report_store(job.job_id, list(range(n)))
             return
-        self._jobs.put(("store", job, stage, event, dropped))
+        self._put(1, ("store", job, stage, event, dropped))
+
+    def _put(self, priority: int, item) -> None:
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        self._jobs.put((priority, seq, item))
 
     # -- the I/O thread --------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            item = self._jobs.get()
+            _, _, item = self._jobs.get()
             if item is None:
                 return
             try:
@@ -295,7 +304,7 @@ class KVStoreWorker:
         if self._closed:
             return
         self._closed = True
-        self._jobs.put(None)
+        self._put(2, None)
         self._thread.join(timeout=max(5.0, self.cfg.load_timeout_s))
         if self._thread.is_alive():
             # The I/O thread is stuck inside a ring submit (a hung disk): closing the ring
