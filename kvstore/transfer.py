@@ -165,28 +165,31 @@ class KVTransfer:
         return torch.as_tensor(list(ids), dtype=torch.long, device=device)
 
     def gather(self, block_ids: Sequence[int], stage_slots: Sequence[int]):
-        """Copy blocks into staging payloads; returns an event (CUDA) or None (done)."""
+        """Copy blocks into staging payloads; returns a pending copy (CUDA) or None (done)."""
         if not block_ids:
             return None
-        if not self.cuda:
-            bidx = np.asarray(block_ids, dtype=np.int64)
-            sidx = np.asarray(stage_slots, dtype=np.int64)
-            for dev_rows, stage_rows in self._rows:
-                stage_rows[sidx] = dev_rows[bidx]
-            return None
-        return self._gather_cuda(block_ids, stage_slots)
+        if self.cuda:
+            return self._gather_cuda(block_ids, stage_slots)
+        self._copy_cpu(block_ids, stage_slots, to_staging=True)
+        return None
 
     def scatter(self, stage_slots: Sequence[int], block_ids: Sequence[int]):
         """Copy staging payloads into blocks; returns an event (CUDA) or None (done)."""
         if not block_ids:
             return None
-        if not self.cuda:
-            bidx = np.asarray(block_ids, dtype=np.int64)
-            sidx = np.asarray(stage_slots, dtype=np.int64)
-            for dev_rows, stage_rows in self._rows:
+        if self.cuda:
+            return self._scatter_cuda(stage_slots, block_ids)
+        self._copy_cpu(block_ids, stage_slots, to_staging=False)
+        return None
+
+    def _copy_cpu(self, block_ids, stage_slots, *, to_staging: bool) -> None:
+        bidx = np.asarray(block_ids, dtype=np.int64)
+        sidx = np.asarray(stage_slots, dtype=np.int64)
+        for dev_rows, stage_rows in self._rows:
+            if to_staging:
+                stage_rows[sidx] = dev_rows[bidx]
+            else:
                 dev_rows[bidx] = stage_rows[sidx]
-            return None
-        return self._scatter_cuda(stage_slots, block_ids)
 
     # -- CUDA path: side stream, events, pinned bounce buffers ------------------------
     def _gather_cuda(self, block_ids, stage_slots):

@@ -23,14 +23,7 @@ BS = 16            # tokens per block
 SLOT = 8192        # bytes of one slot of the tiny model (4 KiB header + 4 KiB payload)
 
 
-def open_fds() -> set[str]:
-    out = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.add(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
-        except OSError:
-            pass
-    return out
+from conftest import open_fds  # noqa: E402,F401  (one definition, shared with the fixtures)
 
 
 def prompts(seed: int, n: int, length: int, shared: int = 0) -> list[list[int]]:
