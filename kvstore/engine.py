@@ -72,6 +72,31 @@ def _check_dir(path: str) -> None:
         raise KVStoreError(f"{path} is not a directory")
 
 
+def _remove_unfinished_store(path: str) -> None:
+    """Delete what an interrupted creation left in `path` (which has no kvstore.json):
+    rank*/slots-NNNN.kvs files and index/{data,lock}.mdb, by their exact names only, never
+    through a symlink. The caller holds the writer lock."""
+    import re
+    for name in os.listdir(path):
+        if not re.fullmatch(r"rank\d+", name):
+            continue
+        d = os.path.join(path, name)
+        _check_dir(d)
+        for f in os.listdir(d):
+            if re.fullmatch(r"slots-\d{4}\.kvs", f):
+                os.unlink(os.path.join(d, f))
+    idx = os.path.join(path, "index")
+    if os.path.lexists(idx):
+        _check_dir(idx)
+        for f in ("data.mdb", "lock.mdb"):
+            if os.path.lexists(os.path.join(idx, f)):
+                os.unlink(os.path.join(idx, f))
+        try:
+            os.rmdir(idx)
+        except OSError:
+            pass
+
+
 def rank_dir(store_dir: str, rank: int) -> str:
     return os.path.join(store_dir, f"rank{rank}")
 
@@ -394,16 +419,35 @@ class RankIO:
         otherwise; drain must not use the view of a failed block. Double-buffered: the
         next chunk is read while this one is verified and drained.
         """
+        half = max(1, self.staging_slots // 2)
+        areas = [list(range(half))] if self.staging_slots < 2 else [list(range(half)), list(range(half, 2 * half))]
+
+        def consume(start, stop, slots, errs):
+            drain(start, stop, [self.payload_view(i) for i in slots], errs)
+        return self.read_pipelined(refs, areas, consume, verify=verify)
+
+    def read_pipelined(self, refs: Sequence[SlotRef], areas: Sequence[Sequence[int]],
+                       consume: Callable[[int, int, Sequence[int], list], None], *,
+                       verify: str = "checksum") -> list[Exception | None]:
+        """Read refs through one or two staging areas (lists of staging slots), verified.
+
+        Chunk k goes to areas[k % len(areas)]; with two areas the read of chunk k+1 runs
+        on the ring thread while `consume(start, stop, stage_slots, errors)` handles chunk
+        k here. The ring is used by one thread at a time: every future is resolved before
+        this returns.
+        """
         self._check_open()
         _check_choice("verify", verify, VERIFY_MODES)
+        step = min(len(a) for a in areas)
+        plan = [(start, min(len(refs), start + step), areas[k % len(areas)][:step])
+                for k, start in enumerate(range(0, len(refs), step))]
         errors: list[Exception | None] = []
-        plan = list(self._halves(len(refs)))
         futs = {}
 
         def launch(k):
-            start, stop, base = plan[k]
-            args = (OP_READ, refs[start:stop], range(base, base + stop - start))
-            if len(plan) == 1:              # a single chunk: nothing to overlap with
+            start, stop, slots = plan[k]
+            args = (OP_READ, refs[start:stop], slots[:stop - start])
+            if len(plan) == 1 or len(areas) == 1:   # nothing to overlap with
                 from concurrent.futures import Future
                 futs[k] = Future()
                 futs[k].set_result(self._submit(*args))
@@ -411,14 +455,14 @@ class RankIO:
                 futs[k] = self._submitter().submit(self._submit, *args)
         if plan:
             launch(0)
-        for k, (start, stop, base) in enumerate(plan):
+        for k, (start, stop, slots) in enumerate(plan):
             res, fds, offs = futs.pop(k).result()
             if k + 1 < len(plan):
                 launch(k + 1)
             chunk = refs[start:stop]
-            slots = range(base, base + len(chunk))
-            chunk_errors = self._verify(chunk, slots, res, fds, offs, verify == "checksum")
-            drain(start, stop, [self.payload_view(i) for i in slots], chunk_errors)
+            used = slots[:len(chunk)]
+            chunk_errors = self._verify(chunk, used, res, fds, offs, verify == "checksum")
+            consume(start, stop, used, chunk_errors)
             errors += chunk_errors
         return errors
 
@@ -571,13 +615,27 @@ class DiskStore:
         if not os.path.isdir(parent):
             raise StoreNotFound(f"parent directory {parent} does not exist")
         _safe_mkdir(path)
-        need = geo.num_slots * geo.slot_size * layout.tp_size
-        free = shutil.disk_usage(path).free
-        if need > free:
-            raise KVStoreError(
-                f"capacity {format_size(need)} is larger than the free space on {path} "
-                f"({format_size(free)}); choose a capacity below {format_size(free)}")
         lock = WriterLock(path)
+        try:
+            if os.path.lexists(os.path.join(path, "kvstore.json")):
+                # Another process finished creating it while we waited for the lock.
+                lock.release()
+                if not exist_ok:
+                    raise KVStoreError(f"a store already exists at {path}; open it instead")
+                return cls(path, layout, **kw)
+            # A creation that was killed before it wrote the fingerprint left slot files
+            # and an index behind; they belong to no store (nothing opens a directory
+            # without kvstore.json) and would make every later creation fail.
+            _remove_unfinished_store(path)
+            need = geo.num_slots * geo.slot_size * layout.tp_size
+            free = shutil.disk_usage(path).free
+            if need > free:
+                raise KVStoreError(
+                    f"capacity {format_size(need)} is larger than the free space on {path} "
+                    f"({format_size(free)}); choose a capacity below {format_size(free)}")
+        except BaseException:
+            lock.release()
+            raise
         created = []
         try:
             for r in range(layout.tp_size):

@@ -206,18 +206,20 @@ class KVStoreWorker:
     def _do_load_timed(self, st: _LoadState) -> None:
         job = st.job
         refs = [SlotRef(k, s, g) for k, s, g in zip(job.keys, job.slots, job.generations)]
-        step = max(1, min(len(refs), self.slots.total // 2 or 1))
+        # Two staging areas when the load spans several chunks: the ring reads the next
+        # chunk while this thread scatters the previous one into the KV cache.
+        step = max(1, min(len(refs), self.slots.total // 4 or 1))
+        areas = []
+        for _ in range(2 if len(refs) > step else 1):
+            area = self.slots.take(step, timeout=self.cfg.load_timeout_s if not areas else 0)
+            if area is None:
+                break
+            areas.append(area)
         failed: set[int] = set()
-        for start in range(0, len(refs), step):
-            if st.cancelled:
-                break
-            chunk = refs[start:start + step]
-            stage = self.slots.take(len(chunk), timeout=self.cfg.load_timeout_s)
-            if stage is None:
-                failed.update(range(start, len(refs)))
-                break
-            try:
-                errors = self.io.read_staged(chunk, stage, verify=self.cfg.verify)
+        if not areas:
+            failed.update(range(len(refs)))
+        else:
+            def consume(start, stop, stage, errors):
                 good = [i for i, e in enumerate(errors) if e is None]
                 for i, e in enumerate(errors):
                     if e is not None:
@@ -225,16 +227,18 @@ class KVStoreWorker:
                         log.warning("kvstore rank %d: load of block %d of request %s failed: %s; "
                                     "it will be recomputed", self.rank, start + i, job.req_id, e)
                 with st.lock:
-                    if st.cancelled:
-                        break
-                    ev = self.transfer.scatter([stage[i] for i in good],
-                                               [job.block_ids[start + i] for i in good])
-                    KVTransfer.wait(ev)
+                    if st.cancelled:   # timed out: vLLM recomputes these blocks, hands off
+                        return
+                    KVTransfer.wait(self.transfer.scatter([stage[i] for i in good],
+                                                          [job.block_ids[start + i] for i in good]))
+            try:
+                self.io.read_pipelined(refs, areas, consume, verify=self.cfg.verify)
             except Exception as exc:
-                failed.update(range(start, start + len(chunk)))
+                failed.update(range(len(refs)))
                 log.warning("kvstore rank %d: load of request %s failed: %s", self.rank, job.req_id, exc)
             finally:
-                self.slots.give(stage)
+                for area in areas:
+                    self.slots.give(area)
         with st.lock:
             if st.cancelled:
                 return
