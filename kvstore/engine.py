@@ -119,7 +119,13 @@ class WriterLock:
 
     def __init__(self, store_dir: str):
         self.path = os.path.join(store_dir, "LOCK")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise KVStoreError(f"refusing {self.path}: it is a symlink (kvstore never follows "
+                                   "symlinks inside a store; remove it)") from None
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -283,7 +289,17 @@ class RankIO:
         stage = np.asarray(stage_slots, dtype=np.uint64)
         addrs = np.uint64(self.staging.address) + stage * np.uint64(self.slot_size)
         lens = np.full(len(refs), self.slot_size, dtype=np.uint32)
-        return self.ring.submit(opcode, fds, offs, addrs, lens), fds, offs
+        res = self.ring.submit(opcode, fds, offs, addrs, lens)
+        short = (res >= 0) & (res != self.slot_size)
+        if short.any():
+            # The ring completes every transfer or fails it; a partial count here would
+            # commit a half-written slot (writes cannot be verified), so never trust one.
+            log.warning("rank %d: %d %s(s) returned a short count (%s of %d bytes); treated as "
+                        "I/O errors", self.rank, int(short.sum()), "write" if opcode == OP_WRITE
+                        else "read", int(res[short][0]), self.slot_size)
+            res = res.copy()
+            res[short] = -errno.EIO
+        return res, fds, offs
 
     def _error(self, opcode, res, fd, off, ref):
         name = {int(f.fd): f.path for f in self.files}.get(int(fd), f"fd {fd}")
@@ -663,16 +679,18 @@ class DiskStore:
     # -- lifecycle -------------------------------------------------------------------
     def close(self) -> None:
         """Close ranks, index and lock (idempotent). Pins are dropped."""
-        for r in self.ranks:
-            r.close()
-        self.ranks = []
-        if self.index is not None:
-            self.index.close()
-            self.index = None
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
-        self._pins.clear()
+        try:
+            for r in self.ranks:
+                r.close()
+            self.ranks = []
+            if self.index is not None:
+                index, self.index = self.index, None
+                index.close()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+            self._pins.clear()
 
     def __enter__(self):
         return self

@@ -29,6 +29,8 @@ Pins live in the caller's memory and are passed to `Index.reserve`.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import struct
 from collections.abc import Collection, Iterable, Iterator, Sequence
@@ -83,6 +85,9 @@ def _entry(key: bytes, slot: int, gen: int, tick: int) -> Entry:
     return e
 
 
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadValsizeError)
+
+
 def _guard(fn):
     """Turn a damaged record (bad length, garbage bytes) into CorruptIndex, not a crash.
 
@@ -135,13 +140,20 @@ class Index:
         self._pending_hits = 0
         self._pending_misses = 0
         data = os.path.join(self._path, "data.mdb")
+        for p in (self._path, data, os.path.join(self._path, "lock.mdb")):
+            # LMDB opens its files without O_NOFOLLOW: refuse links here, as every other
+            # file of a store is refused (a link could point the index anywhere).
+            if os.path.islink(p):
+                raise CorruptIndex(
+                    f"refusing index {p}: it is a symlink (kvstore never follows symlinks "
+                    f"inside a store); move the real files into place, or {_REBUILD_HINT}")
         exists = os.path.isfile(data)
         if create and not exists:
             if capacity_slots is None or not 0 < capacity_slots <= _MAX_SLOTS:
                 raise ConfigError(
                     f"Index: capacity_slots must be in 1..{_MAX_SLOTS} to create an index "
                     f"(got {capacity_slots!r})")
-            os.makedirs(self._path, exist_ok=True)
+            os.makedirs(self._path, mode=0o700, exist_ok=True)
         elif not exists:
             raise CorruptIndex(f"index not found at {self._path} (no data.mdb); {_REBUILD_HINT}")
         if map_size is None:
@@ -221,6 +233,11 @@ class Index:
                 if self._pending_hits or self._pending_misses:
                     self._write(lambda txn: None)
                 env.sync(True)
+        except (KVStoreError, lmdb.Error) as exc:
+            # Closing must not fail (the store's lock is released after this): what is
+            # lost are batched hit/miss counters, and commits were already synced.
+            logging.getLogger("kvstore.index").warning(
+                "index at %s: final flush on close failed: %s", self._path, exc)
         finally:
             self._env = None
             env.close()
@@ -291,10 +308,27 @@ class Index:
                     result = fn(txn, *args)
                 break
             except lmdb.MapFullError:
-                env.set_mapsize(env.info()["map_size"] * 2)
+                size = env.info()["map_size"] * 2
+                try:
+                    env.set_mapsize(size)
+                except lmdb.Error as exc:
+                    raise self._write_failed(exc, f"growing its map to {size} bytes") from exc
+            except _DAMAGE:
+                raise  # a damaged record: @_guard makes it CorruptIndex
+            except lmdb.Error as exc:
+                # ENOSPC, EIO, ...: the transaction was not committed and nothing changed.
+                raise self._write_failed(exc, "committing a transaction") from exc
         self._pending_hits -= ph
         self._pending_misses -= pm
         return result
+
+    def _write_failed(self, exc: Exception, doing: str) -> KVStoreError:
+        msg = f"cannot write the index at {self._path} ({doing}): {exc}"
+        if "No space left" in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC:
+            msg += ("; the filesystem is full. Slot files are preallocated, only the index "
+                    "grows: free space on that filesystem (until then stores are dropped and "
+                    "loads keep working)")
+        return KVStoreError(msg)
 
     def _get(self, txn: lmdb.Transaction, name: bytes) -> int:
         return _U64.unpack(txn.get(name, db=self._meta))[0]
@@ -591,7 +625,10 @@ class Index:
             # transactions in order, so syncing here also persists every earlier
             # reservation and eviction, while touches and reservations alone never pay
             # for an fsync. After a crash the index is the state as of some commit.
-            self._live().sync(True)
+            try:
+                self._live().sync(True)
+            except lmdb.Error as exc:
+                raise self._write_failed(exc, "syncing a commit") from exc
         return skipped
 
     def _commit_txn(self, txn, items):

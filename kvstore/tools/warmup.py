@@ -36,8 +36,8 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from kvstore.engine import DiskStore
-from kvstore.errors import ConfigError, KVStoreError, StoreFull
+from kvstore.engine import DiskStore, WriterLock
+from kvstore.errors import ConfigError, KVStoreError, StoreFull, StoreLocked
 from kvstore.layout import check_layout, format_size
 
 __all__ = ["PromptItem", "read_prompts", "warmup", "format_text", "GPU_REQUIRED"]
@@ -366,7 +366,10 @@ def warmup(store: str, prompts: str | None = None, *, from_store: str | None = N
     items = read_prompts(prompts, fmt) if prompts else []
     src = DiskStore(from_store, readonly=True, io=not dry_run)
     try:
-        dst = DiskStore(store, readonly=dry_run, io=not dry_run)
+        try:
+            dst = DiskStore(store, readonly=dry_run, io=not dry_run)
+        except StoreLocked as exc:
+            raise _held(store, exc.pid) from None
         try:
             check_layout(dst.path, dst.layout, src.layout)
             sm = Summary(store=dst.path, source=f"store {src.path}", dry_run=dry_run,
@@ -399,6 +402,15 @@ def warmup(store: str, prompts: str | None = None, *, from_store: str | None = N
             dst.close()
     finally:
         src.close()
+
+
+def _held(store: str, pid: int | None) -> StoreLocked:
+    return StoreLocked(
+        f"kvstore warmup writes into {store} and needs its writer lock, which another process "
+        f"(pid {pid}, usually the vLLM server using this store) holds. Stop that process, run "
+        "warmup, then start it again: it serves every block warmup wrote. Alternatively warm "
+        "a copy (or a new store) and point the next server at it. `kvstore warmup --dry-run` "
+        "works while the server runs.", pid=pid)
 
 
 def _bar(progress, desc, total, unit):
@@ -484,6 +496,12 @@ def _warmup_model(store, prompts, model, *, tokenizer, fmt, dry_run, progress, g
     items = read_prompts(prompts, fmt)
     tok = _Tokenizer(tokenizer or model)
     t0 = time.perf_counter()
+    if not dry_run:
+        # The engine's connector takes the writer lock deep inside vLLM's start-up, where
+        # a StoreLocked would surface as an engine failure: say it here, plainly.
+        pid = WriterLock.holder(os.path.abspath(store))
+        if pid is not None:
+            raise _held(store, pid)
     with DiskStore(store, readonly=True) as dst:
         lay = dst.layout
         sm = Summary(store=dst.path, source=f"model {model}", dry_run=dry_run, prompts_total=len(items))
