@@ -159,7 +159,13 @@ def write_fingerprint(store_dir: str, layout: Layout, geometry: StoreGeometry, c
     }
     path = os.path.join(store_dir, FINGERPRINT)
     tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno == 40:
+            raise KVStoreError(f"refusing {tmp}: it is a symlink (kvstore never follows symlinks "
+                               "inside a store)") from None
+        raise
     with os.fdopen(fd, "w") as f:
         json.dump(doc, f, indent=2, sort_keys=True)
         f.write("\n")
@@ -177,6 +183,9 @@ def read_fingerprint(store_dir: str) -> tuple[Layout, StoreGeometry, dict]:
         raise StoreNotFound(f"{store_dir} is not a kvstore store: {FINGERPRINT} is missing "
                             "(create one with a capacity, or point `path` at an existing store)") from None
     except OSError as exc:
+        if exc.errno == 40:  # ELOOP: O_NOFOLLOW met a symlink
+            raise KVStoreError(f"refusing {path}: it is a symlink (kvstore never follows symlinks "
+                               "inside a store)") from None
         raise KVStoreError(f"cannot open {path}: {exc.strerror}") from exc
     with os.fdopen(fd, "rb") as f:
         raw = f.read(1 << 20)

@@ -305,7 +305,20 @@ class EngineHarness:
         self.token_bytes = self.page_bytes // block_size
 
         self._build_scheduler(hash_algo)
-        self._build_workers()
+        try:
+            self._build_workers()
+        except BaseException:
+            # A worker connector refused to start (bad config, layout mismatch): close
+            # what was built, so the store's writer lock is not held by a half-made engine.
+            for rk in getattr(self, "ranks", []):
+                if rk.connector is not None:
+                    rk.connector.shutdown()
+            for c in getattr(self, "_partial_workers", []):
+                c.shutdown()
+            self.scheduler.shutdown()
+            if self._tmp is not None:
+                self._tmp.cleanup()
+            raise
 
         self.stats: dict[str, int] = {
             "steps": 0,
@@ -417,6 +430,8 @@ class EngineHarness:
                         role=KVConnectorRole.WORKER,
                         kv_cache_config=self.kv_cache_config,
                     )
+                    self._partial_workers = getattr(self, "_partial_workers", [])
+                    self._partial_workers.append(connector)
                     connector.register_kv_caches(kv_caches)
             ctx = ForwardContext(
                 no_compile_layers={
@@ -792,6 +807,14 @@ class EngineHarness:
         return dict(self.stats)
 
     # ------------------------------------------------------------ checks/etc
+    def forget_finished(self) -> None:
+        """Drop the per-request history of finished requests (outputs, block tables),
+        so that a long soak measures the product's memory, not the harness's."""
+        self.finished.clear()
+        self._last_tables.clear()
+        self.kv_connector_stats.clear()
+        self.events.clear()
+
 
     def assert_no_leaks(self) -> None:
         s = self.scheduler

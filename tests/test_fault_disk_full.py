@@ -131,12 +131,6 @@ def test_disk_fills_up_while_serving(small_fs, caplog):
     assert code == 0 and doc["findings"] == [], doc
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "connector bug (kvstore/vllm/scheduler.py KVStoreScheduler._finish_store): when the "
-    "index commit of a finished store fails (disk full, I/O error), the store's slots stay "
-    "reserved until the next restart and the blocks are not counted in "
-    "store_dropped_blocks; fix: on a failed commit count the blocks as dropped and abort "
-    "the reservations (retrying the abort on later steps while the index cannot be written)"))
 def test_failed_index_commit_releases_its_reservations(tmp_path):
     """An index commit that fails (here: as on a full disk) drops the store: its blocks
     are counted as dropped and its slots go back to free, so a long disk-full episode

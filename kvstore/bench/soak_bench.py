@@ -49,6 +49,7 @@ def run(requests: int = 20000, interval: int = 2000, capacity: str = "16M", batc
                     doc = rng.choice(docs)
                     prompts.append(doc + [rng.randrange(10, 30000) for _ in range(rng.randrange(1, 32))])
                 h.run(prompts, max_tokens=2)
+                h.forget_finished()
                 done += n
                 if done % interval == 0 or done == requests:
                     now = time.perf_counter()

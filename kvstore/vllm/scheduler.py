@@ -52,6 +52,7 @@ class KVStoreScheduler:
         # part ends, which can be steps before the last rank finishes the request.
         self._load_invalid: dict[str, set[int]] = {}
         self._inflight_stores: dict[int, dict] = {}
+        self._abort_later: list[SlotRef] = []   # reservations whose abort failed
         self._storing_keys: set[bytes] = set()
         self._stored_upto: dict[str, int] = {}
         self._to_touch: list[bytes] = []
@@ -291,6 +292,7 @@ class KVStoreScheduler:
             if failed:
                 self._load_failed.add(req_id)
             self._to_touch.extend(job.keys)
+        self._retry_aborts()
         if self._to_touch:
             try:
                 self.store.touch(self._to_touch)
@@ -313,11 +315,26 @@ class KVStoreScheduler:
             if good:
                 self.store.commit(good)
         except KVStoreError as exc:
+            # The index cannot be written (e.g. the disk is full): the store is dropped,
+            # and its reservations are given back now or, failing that, on a later step,
+            # so a long disk-full episode does not eat the store's capacity.
             self._warn_once("commit", exc)
+            self._stats.add(store_dropped_blocks=len(refs) if not st["reset"] else 0)
+            self._abort_later.extend(refs)
+            self._retry_aborts()
             return
         self._stats.add(stored_blocks=len(good), store_dropped_blocks=len(bad) if not st["reset"] else 0)
         if good and self.events_enabled:
             self._emit_stored(good, st["origins"], refs)
+
+    def _retry_aborts(self) -> None:
+        if not self._abort_later:
+            return
+        try:
+            self.store.abort(self._abort_later)
+            self._abort_later = []
+        except KVStoreError:
+            pass  # still unwritable: try again next step
 
     def _drop_bad(self, keys: list[bytes]) -> None:
         try:
