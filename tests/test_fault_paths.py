@@ -132,9 +132,9 @@ def test_planted_symlinks_at_creation_are_never_followed(tmp_path):
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
     os.symlink(victim, store / "kvstore.json.tmp")
-    with pytest.raises(OSError) as ei:     # ELOOP from O_NOFOLLOW (kvstore/layout.py)
+    with pytest.raises(KVStoreError) as ei:     # O_NOFOLLOW refusal (kvstore/layout.py)
         EngineHarness(kv_transfer_config=kv_config(store), workdir=str(tmp_path))
-    assert "kvstore.json.tmp" in str(ei.value)
+    assert "kvstore.json.tmp" in str(ei.value) and "symlink" in str(ei.value)
     assert victim.read_bytes() == b"precious"
     assert not (store / "kvstore.json").exists()
     os.unlink(store / "kvstore.json.tmp")
