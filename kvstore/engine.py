@@ -436,7 +436,12 @@ class RankIO:
         next chunk is read while this one is verified and drained.
         """
         half = max(1, self.staging_slots // 2)
-        areas = [list(range(half))] if self.staging_slots < 2 else [list(range(half)), list(range(half, 2 * half))]
+        # Chunks small enough that even one request's prefix is split in a few (so its
+        # verification and copy-out overlap the next chunk's read), but never below the
+        # ring's queue depth (or the device would idle between chunks).
+        n = len(refs)
+        chunk = max(1, min(half, max(self.ring.queue_depth if self.ring else 32, -(-n // 4))))
+        areas = [list(range(chunk))] if self.staging_slots < 2 else [list(range(chunk)), list(range(half, half + chunk))]
 
         def consume(start, stop, slots, errs):
             drain(start, stop, [self.payload_view(i) for i in slots], errs)
