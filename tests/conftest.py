@@ -1,4 +1,5 @@
 """Shared fixtures: real files, real mounts, and leak checks (open fds) after each test."""
+import contextlib
 import os
 import subprocess
 import uuid
@@ -28,30 +29,29 @@ def fd_leak_check():
     assert not leaked, f"leaked file descriptors: {sorted(leaked)}"
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A real, tiny filesystem (tmpfs of 8 MiB) for ENOSPC tests; unmounted afterwards."""
-    mnt = tmp_path / f"mnt-{uuid.uuid4().hex[:6]}"
+@contextlib.contextmanager
+def _mounted(tmp_path, fstype: str, options: list[str], why: str):
+    """Mount a real filesystem of `fstype` under tmp_path; lazily unmounted afterwards."""
+    mnt = tmp_path / f"{fstype}-{uuid.uuid4().hex[:6]}"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", fstype, *options, fstype, str(mnt)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.fail(f"cannot mount a small tmpfs for the ENOSPC test (needs root): {r.stderr}")
+        pytest.fail(f"cannot mount {fstype} for {why} (needs root): {r.stderr}")
     try:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real, tiny filesystem (tmpfs of 8 MiB) for ENOSPC tests."""
+    with _mounted(tmp_path, "tmpfs", ["-o", "size=8m,mode=0700"], "the ENOSPC tests") as mnt:
+        yield mnt
 
 
 @pytest.fixture
 def ramfs(tmp_path):
     """A real ramfs mount: a filesystem that refuses O_DIRECT."""
-    mnt = tmp_path / f"ramfs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.fail(f"cannot mount ramfs (needs root): {r.stderr}")
-    try:
+    with _mounted(tmp_path, "ramfs", [], "the O_DIRECT refusal test") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
