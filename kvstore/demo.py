@@ -51,9 +51,13 @@ def _connector_cfg(store: str, capacity: str, io_mode: str) -> dict:
 
 
 def _replay(prompts, store, capacity, io_mode, gpu_blocks, batch, workdir, tp_size):
-    from kvstore.testing import EngineHarness
+    from kvstore.testing import EngineHarness, write_model_dir
     t0 = time.perf_counter()
-    with EngineHarness(kv_transfer_config=_connector_cfg(store, capacity, io_mode),
+    # The model's identity is part of the store's layout: the demo model lives at one
+    # fixed path, so a store kept with --store serves the next `kvstore demo` run too.
+    model_dir = write_model_dir(os.path.join(tempfile.gettempdir(), "kvstore-demo-model"),
+                                num_layers=4, num_kv_heads=4, head_dim=64)
+    with EngineHarness(model_dir=model_dir, kv_transfer_config=_connector_cfg(store, capacity, io_mode),
                        num_layers=4, num_kv_heads=4, head_dim=64, block_size=16,
                        num_gpu_blocks=gpu_blocks, max_num_batched_tokens=1024, max_num_seqs=8,
                        max_model_len=8192, tp_size=tp_size, workdir=workdir) as h:

@@ -119,11 +119,13 @@ class KVStoreScheduler:
             return 0, False
         if not entries:
             self._stats.add(miss_lookups=1)
+            self.store.count_hits(0, 1)
             return 0, False
         refs = [SlotRef(e.key, e.slot, e.generation) for e in entries]
         self.store.pin(r.slot for r in refs)
         self._candidates[req_id] = (start, refs)
         self._stats.add(hit_blocks=len(refs))
+        self.store.count_hits(1, 0)
         return len(refs) * bs, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
