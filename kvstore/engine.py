@@ -361,6 +361,16 @@ class RankIO:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvstore-ring-r{self.rank}")
         return self._pool
 
+    def _ring_task(self, overlap: bool, opcode, refs, stage_slots):
+        """A future of `_submit`: on the ring thread when it can overlap this thread's
+        work, else run right here (a thread hand-off would only add latency)."""
+        from concurrent.futures import Future
+        if overlap:
+            return self._submitter().submit(self._submit, opcode, refs, stage_slots)
+        fut: Future = Future()
+        fut.set_result(self._submit(opcode, refs, stage_slots))
+        return fut
+
     def _halves(self, n: int):
         """Chunks of refs and the staging half each one uses (double buffering)."""
         half = max(1, self.staging_slots // 2)
@@ -406,12 +416,8 @@ class RankIO:
             self._stamp(chunk, slots)
             if pending is not None:
                 fds_of[pending[0]] = collect(pending)
-            if stop == len(refs) and pending is None:
-                from concurrent.futures import Future
-                fut: Future = Future()      # a single chunk: nothing to overlap with
-                fut.set_result(self._submit(OP_WRITE, chunk, slots))
-            else:
-                fut = self._submitter().submit(self._submit, OP_WRITE, chunk, slots)
+            # A single chunk has nothing to overlap with: run it here.
+            fut = self._ring_task(not (stop == len(refs) and pending is None), OP_WRITE, chunk, slots)
             pending = (start, chunk, fut)
         if pending is not None:
             fds_of[pending[0]] = collect(pending)
@@ -467,13 +473,9 @@ class RankIO:
 
         def launch(k):
             start, stop, slots = plan[k]
-            args = (OP_READ, refs[start:stop], slots[:stop - start])
-            if len(plan) == 1 or len(areas) == 1:   # nothing to overlap with
-                from concurrent.futures import Future
-                futs[k] = Future()
-                futs[k].set_result(self._submit(*args))
-            else:
-                futs[k] = self._submitter().submit(self._submit, *args)
+            # One chunk or one area has nothing to overlap with: run it here.
+            futs[k] = self._ring_task(len(plan) > 1 and len(areas) > 1,
+                                      OP_READ, refs[start:stop], slots[:stop - start])
         if plan:
             launch(0)
         for k, (start, stop, slots) in enumerate(plan):
