@@ -145,7 +145,8 @@ def format_text(info: dict) -> str:
                               f"free {info['free_slots']:,}, reserved {info['reserved_slots']:,}, "
                               f"pinned {info['pinned_slots']:,} (pins live in the serving process)"))
         rate = f"{100.0 * info['hit_rate']:.1f}%" if info["hit_rate"] is not None else "-"
-        rows.append(("lookups", f"{info['hits']:,} hits, {info['misses']:,} misses (hit rate {rate})"))
+        rows.append(("lookups", f"{info['hits']:,} blocks hit, {info['misses']:,} lookups stopped "
+                                f"short at a miss (hit rate {rate})"))
         rows.append(("evictions", f"{info['evictions']:,} (duplicate stores {info['duplicates']:,}, "
                                   f"stale commits {info['stale_commits']:,})"))
         if info["oldest_tick"] is None:

@@ -125,7 +125,8 @@ class KVStoreScheduler:
         self.store.pin(r.slot for r in refs)
         self._candidates[req_id] = (start, refs)
         self._stats.add(hit_blocks=len(refs))
-        self.store.count_hits(1, 0)
+        # As DiskStore.get counts: hits in blocks, a miss per lookup that stopped short.
+        self.store.count_hits(len(refs), 0 if len(refs) == len(keys) else 1)
         return len(refs) * bs, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
