@@ -10,12 +10,19 @@ STAMP := $(VENV)/.kvstore-installed
 
 all: build
 
-# fio is the device-limit reference of the benchmarks (Debian package).
+# Debian packages: the C headers the I/O core compiles against (xxHash, used header-only;
+# zlib for CRC-32), and fio, the device-limit reference of the benchmarks.
+SYSDEPS := /usr/include/xxhash.h /usr/include/zlib.h
+$(SYSDEPS):
+	@test -f /usr/include/xxhash.h -a -f /usr/include/zlib.h || { apt-get update -q >/dev/null && \
+	  apt-get install -y -q libxxhash-dev zlib1g-dev >/dev/null; } || { \
+	  echo "error: could not install libxxhash-dev and zlib1g-dev (apt-get); install them, then rerun"; exit 1; }
+
 /usr/bin/fio:
 	@command -v fio >/dev/null 2>&1 || { (apt-get update -q && apt-get install -y -q fio) >/dev/null 2>&1 || \
 	  echo "warning: could not install fio; benchmarks will skip it"; }
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py | $(SYSDEPS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	# Build requirements first, so the extension build below can skip isolation (the
@@ -24,7 +31,7 @@ $(STAMP): pyproject.toml setup.py
 	$(PIP) install -q --no-build-isolation -e ".[test,vllm,bench]"
 	touch $(STAMP)
 
-build: $(STAMP)
+build: $(STAMP) | $(SYSDEPS)
 	$(PY) setup.py -q build_ext --inplace
 
 demo: build /usr/bin/fio

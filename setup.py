@@ -4,13 +4,26 @@ The `.pyx`/`.pxd` sources live in cython_src/kvstore/ (mirroring the package pat
 cross-module cimports resolve); generated C goes to build/cython and is never committed or
 installed. Nothing is linked: liburing's non-inline functions are reached through the
 `liburing` binding's Cython capsules, its static-inline helpers compile in from its header.
+The slot codec compiles xxHash in from its header (XXH_INLINE_ALL: Debian `libxxhash-dev`)
+and links zlib (`zlib1g-dev`) for CRC-32; `make` installs both.
 """
 import os
 
 from setuptools import Extension, setup
 
 
+def _require_header(name: str, package: str) -> None:
+    import sysconfig
+    dirs = ["/usr/include", "/usr/local/include", sysconfig.get_config_var("INCLUDEDIR") or ""]
+    dirs += [d for d in os.environ.get("CPATH", "").split(":") if d]
+    if not any(os.path.exists(os.path.join(d, name)) for d in dirs):
+        raise SystemExit(f"kvstore build: {name} not found; install it first "
+                         f"(Debian/Ubuntu: apt-get install {package}; or set CPATH)")
+
+
 def extensions():
+    _require_header("xxhash.h", "libxxhash-dev")
+    _require_header("zlib.h", "zlib1g-dev")
     import liburing
     import numpy
     from Cython.Build import cythonize
@@ -22,7 +35,8 @@ def extensions():
             f"kvstore.{name}",
             [os.path.join("cython_src", "kvstore", f"{name}.pyx")],
             include_dirs=include_dirs,
-            define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+            define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), ("XXH_INLINE_ALL", None)],
+            libraries=["z"] if name == "_slotfile" else [],
             extra_compile_args=["-O2", "-Wno-unused-function", "-Wno-unreachable-code"],
         )
         for name in names

@@ -32,7 +32,7 @@ from kvstore._hostbuf import HostBuffer
 from kvstore._ring import Ring
 from kvstore._slotfile import HEADER_SIZE, SlotFile
 from kvstore.errors import (
-    ConfigError, CorruptSlot, KVStoreError, StoreLocked, StoreNotFound,
+    AlignmentError, ConfigError, CorruptSlot, KVStoreError, StoreLocked, StoreNotFound,
 )
 from kvstore.index import Entry, Index
 from kvstore.layout import (
@@ -44,7 +44,25 @@ log = logging.getLogger("kvstore.engine")
 
 IO_MODES = ("direct", "page_cache")
 VERIFY_MODES = ("checksum", "header")
+_VERIFY_CODE = {"header": 1, "checksum": 2}   # Ring.slot_io's verify levels
 OP_READ, OP_WRITE = 0, 1
+
+
+def _corrupt(code: int, ref, recheck) -> CorruptSlot:
+    """The CorruptSlot for a slot the ring's C checker refused (SlotCheck `code`):
+    `recheck()` decodes the same bytes in Python and raises it with the full message."""
+    try:
+        recheck()
+    except CorruptSlot as exc:
+        return exc
+    return CorruptSlot(f"slot {ref.slot}: refused by the slot checker (code {int(code)})",
+                       key=ref.key, slot=ref.slot)
+
+
+def _view_at(addr: int, nbytes: int) -> np.ndarray:
+    """A uint8 view of nbytes at a raw address (caller memory that is alive for the call)."""
+    import ctypes
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
 
 
 def _check_choice(name, value, choices):
@@ -187,6 +205,7 @@ class RankIO:
             raise ConfigError(f"rank {rank} out of range: store has tp_size={stored.tp_size}")
         self.store_dir = store_dir
         self.rank = rank
+        self._direct = io_mode == "direct"
         self.layout = stored
         self.geometry = geo
         self.payload_len = stored.block_bytes
@@ -198,6 +217,7 @@ class RankIO:
         self.ring = None
         self._own_staging = staging is None
         self.staging = None
+        self._headers = None   # header memory of caller-memory transfers (read_into/write_from)
         self._pool = None
         try:
             try:
@@ -253,6 +273,9 @@ class RankIO:
             f.close()
         self.files = []
         self.bad_files = {}
+        if self._headers is not None:
+            self._headers.close()
+            self._headers = None
         if self.staging is not None:
             self._stage_np = None
             if self._own_staging:
@@ -284,12 +307,22 @@ class RankIO:
         offs = (s % self.geometry.slots_per_file) * self.slot_size
         return self._fds[fidx], offs.astype(np.uint64)
 
-    def _submit(self, opcode, refs, stage_slots):
-        fds, offs = self._locate([r.slot for r in refs])
+    def _submit(self, opcode, refs, stage_slots, verify: int = 0):
+        """Move refs[i] between disk and staging slot stage_slots[i] (header + payload).
+
+        Writes are stamped and reads checked by the ring, inside its GIL-free loop.
+        Returns (results, status, fds, offsets) as `_slot_io`.
+        """
         stage = np.asarray(stage_slots, dtype=np.uint64)
-        addrs = np.uint64(self.staging.address) + stage * np.uint64(self.slot_size)
-        lens = np.full(len(refs), self.slot_size, dtype=np.uint32)
-        res = self.ring.submit(opcode, fds, offs, addrs, lens)
+        hdrs = np.uint64(self.staging.address) + stage * np.uint64(self.slot_size)
+        return self._slot_io(opcode, refs, hdrs, hdrs + np.uint64(HEADER_SIZE), verify)
+
+    def _slot_io(self, opcode, refs, hdr_addrs, payload_addrs, verify: int):
+        fds, offs = self._locate([r.slot for r in refs])
+        res, status = self.ring.slot_io(
+            opcode, fds, offs, hdr_addrs, payload_addrs, self.slot_size - HEADER_SIZE,
+            [r.key for r in refs], [r.slot for r in refs], [r.generation for r in refs],
+            self.payload_len, verify=verify, payload_align=HEADER_SIZE if self._direct else 1)
         short = (res >= 0) & (res != self.slot_size)
         if short.any():
             # The ring completes every transfer or fails it; a partial count here would
@@ -299,7 +332,7 @@ class RankIO:
                         else "read", int(res[short][0]), self.slot_size)
             res = res.copy()
             res[short] = -errno.EIO
-        return res, fds, offs
+        return res, status, fds, offs
 
     def _error(self, opcode, res, fd, off, ref):
         name = {int(f.fd): f.path for f in self.files}.get(int(fd), f"fd {fd}")
@@ -319,8 +352,12 @@ class RankIO:
         errors: list[Exception | None] = [None] * len(refs)
         if not refs:
             return errors
-        self._stamp(refs, stage_slots)
-        res, fds, offs = self._submit(OP_WRITE, refs, stage_slots)
+        res, _, fds, offs = self._submit(OP_WRITE, refs, stage_slots)
+        return self._write_errors(refs, res, fds, offs, durable)
+
+    def _write_errors(self, refs, res, fds, offs, durable: bool) -> list[Exception | None]:
+        """Per-ref write outcome; with `durable`, one fdatasync per file written."""
+        errors: list[Exception | None] = [None] * len(refs)
         for i in np.flatnonzero(res < 0):
             errors[i] = self._error(OP_WRITE, res[i], fds[i], offs[i], refs[i])
         if durable:
@@ -348,8 +385,8 @@ class RankIO:
         errors: list[Exception | None] = [None] * len(refs)
         if not refs:
             return errors
-        res, fds, offs = self._submit(OP_READ, refs, stage_slots)
-        return self._verify(refs, stage_slots, res, fds, offs, check_payload)
+        res, status, fds, offs = self._submit(OP_READ, refs, stage_slots, _VERIFY_CODE[verify])
+        return self._verify(refs, stage_slots, res, status, fds, offs, check_payload)
 
     def _submitter(self):
         # One background thread drives the ring while this thread prepares or verifies
@@ -361,14 +398,14 @@ class RankIO:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvstore-ring-r{self.rank}")
         return self._pool
 
-    def _ring_task(self, overlap: bool, opcode, refs, stage_slots):
+    def _ring_task(self, overlap: bool, opcode, refs, stage_slots, verify: int = 0):
         """A future of `_submit`: on the ring thread when it can overlap this thread's
         work, else run right here (a thread hand-off would only add latency)."""
         from concurrent.futures import Future
         if overlap:
-            return self._submitter().submit(self._submit, opcode, refs, stage_slots)
+            return self._submitter().submit(self._submit, opcode, refs, stage_slots, verify)
         fut: Future = Future()
-        fut.set_result(self._submit(opcode, refs, stage_slots))
+        fut.set_result(self._submit(opcode, refs, stage_slots, verify))
         return fut
 
     def _halves(self, n: int):
@@ -378,20 +415,13 @@ class RankIO:
             base = (k % 2) * half if self.staging_slots >= 2 else 0
             yield start, min(n, start + half), base
 
-    def _stamp(self, refs, stage_slots) -> None:
-        for ref, i in zip(refs, stage_slots):
-            base = i * self.slot_size
-            _slotfile.encode_header(self._stage_np[base:base + HEADER_SIZE], ref.key, ref.slot,
-                                    ref.generation, self.payload_len,
-                                    _slotfile.payload_checksum(self.payload_view(i)))
-
     def write_blocks(self, refs: Sequence[SlotRef], fill: Callable[[int, int, list[np.ndarray]], None],
                      *, durable: bool = True) -> list[Exception | None]:
         """Write blocks: `fill(start, stop, views)` puts payloads of refs[start:stop] into views.
 
         Returns one entry per ref: None when the slot is written (and durable), else the
-        error. Double-buffered: the next chunk is filled and stamped while the previous
-        one is on its way to disk; one fdatasync per touched file at the end.
+        error. Double-buffered: the next chunk is filled while the previous one is stamped
+        and written by the ring; one fdatasync per touched file at the end.
         """
         self._check_open()
         errors: list[Exception | None] = [None] * len(refs)
@@ -400,7 +430,7 @@ class RankIO:
 
         def collect(p):
             start, chunk, fut = p
-            res, fds, offs = fut.result()
+            res, _, fds, offs = fut.result()
             for i in range(len(chunk)):
                 if res[i] < 0:
                     errors[start + i] = self._error(OP_WRITE, res[i], fds[i], offs[i], chunk[i])
@@ -413,7 +443,6 @@ class RankIO:
             chunk = refs[start:stop]
             slots = range(base, base + len(chunk))
             fill(start, stop, [self.payload_view(i) for i in slots])
-            self._stamp(chunk, slots)
             if pending is not None:
                 fds_of[pending[0]] = collect(pending)
             # A single chunk has nothing to overlap with: run it here.
@@ -470,38 +499,154 @@ class RankIO:
                 for k, start in enumerate(range(0, len(refs), step))]
         errors: list[Exception | None] = []
         futs = {}
+        vcode = _VERIFY_CODE[verify]
 
         def launch(k):
             start, stop, slots = plan[k]
             # One chunk or one area has nothing to overlap with: run it here.
             futs[k] = self._ring_task(len(plan) > 1 and len(areas) > 1,
-                                      OP_READ, refs[start:stop], slots[:stop - start])
+                                      OP_READ, refs[start:stop], slots[:stop - start], vcode)
         if plan:
             launch(0)
         for k, (start, stop, slots) in enumerate(plan):
-            res, fds, offs = futs.pop(k).result()
+            res, status, fds, offs = futs.pop(k).result()
             if k + 1 < len(plan):
                 launch(k + 1)
             chunk = refs[start:stop]
             used = slots[:len(chunk)]
-            chunk_errors = self._verify(chunk, used, res, fds, offs, verify == "checksum")
+            chunk_errors = self._verify(chunk, used, res, status, fds, offs, verify == "checksum")
             consume(start, stop, used, chunk_errors)
             errors += chunk_errors
         return errors
 
-    def _verify(self, refs, stage_slots, res, fds, offs, check_payload) -> list[Exception | None]:
-        out: list[Exception | None] = []
-        for i, (ref, st) in enumerate(zip(refs, stage_slots)):
+    def _verify(self, refs, stage_slots, res, status, fds, offs, check_payload) -> list[Exception | None]:
+        """Errors of a checked read batch: the ring's per-slot codes, and for a bad slot
+        the CorruptSlot that decoding the same staging bytes in Python raises."""
+        out: list[Exception | None] = [None] * len(refs)
+        for i in np.flatnonzero((res < 0) | (status != 0)):
+            ref = refs[i]
             if res[i] < 0:
-                out.append(self._error(OP_READ, res[i], fds[i], offs[i], ref))
+                out[i] = self._error(OP_READ, res[i], fds[i], offs[i], ref)
                 continue
-            try:
-                _slotfile.verify_slot(self.slot_view(st), ref.key, ref.slot, ref.generation,
-                                      self.payload_len, check_payload)
-                out.append(None)
-            except CorruptSlot as exc:
-                out.append(exc)
+            out[i] = _corrupt(status[i], ref, lambda: _slotfile.verify_slot(
+                self.slot_view(stage_slots[i]), ref.key, ref.slot, ref.generation,
+                self.payload_len, check_payload))
         return out
+
+    # -- slots whose payload lives in caller memory (no staging copy) ----------------
+    def _header_pool(self, n: int) -> HostBuffer:
+        """Header memory for n slots of a caller-memory transfer (grown on demand)."""
+        need = max(1, n) * HEADER_SIZE
+        if self._headers is None or self._headers.nbytes < need:
+            if self._headers is not None:
+                self._headers.close()
+                self._headers = None
+            self._headers = HostBuffer(need)
+            self.ring.register_buffers([self.staging, self._headers])
+        return self._headers
+
+    def _payload_addrs(self, payloads, n: int, writable: bool):
+        """Addresses of n caller payload buffers, each checked: C-contiguous, holding the
+        payload's transfer length (rounded up to 4096) and, for O_DIRECT, 4096-aligned.
+        `payloads` is a 2-D array (one row per block) or a sequence of buffers."""
+        io_len = self.slot_size - HEADER_SIZE
+        direct = self._direct
+        if isinstance(payloads, np.ndarray) and payloads.ndim == 2:
+            arr = payloads
+            if arr.shape[0] != n:
+                raise ValueError(f"{arr.shape[0]} payload rows for {n} blocks")
+            row = arr.shape[1] * arr.itemsize
+            if arr.strides[1] != arr.itemsize or row < io_len:
+                raise AlignmentError(
+                    f"payload rows must be contiguous and hold {io_len} bytes (the {self.payload_len}"
+                    f"-byte payload rounded up to 4096); got rows of {row} bytes")
+            if writable and not arr.flags.writeable:
+                raise ValueError("payload array is read-only; reads need writable memory")
+            base = arr.__array_interface__["data"][0]
+            addrs = np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(arr.strides[0])
+            if direct and (base % HEADER_SIZE or arr.strides[0] % HEADER_SIZE):
+                raise AlignmentError(
+                    f"payload rows at 0x{base:x} with stride {arr.strides[0]} are not 4096-aligned, "
+                    "which O_DIRECT needs: allocate them with kvstore.HostBuffer (or mmap), or "
+                    "open the store with io_mode='page_cache'")
+            return addrs, arr
+        bufs = list(payloads)
+        if len(bufs) != n:
+            raise ValueError(f"{len(bufs)} payload buffers for {n} blocks")
+        views = []
+        addrs = np.empty(n, dtype=np.uint64)
+        for i, b in enumerate(bufs):
+            mv = memoryview(b)
+            if writable and mv.readonly:
+                raise ValueError(f"payload buffer {i} is read-only; reads need writable memory")
+            if not mv.c_contiguous or mv.nbytes < io_len:
+                raise AlignmentError(
+                    f"payload buffer {i} must be contiguous and hold {io_len} bytes (the "
+                    f"{self.payload_len}-byte payload rounded up to 4096); got {mv.nbytes}")
+            a = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
+            addr = a.__array_interface__["data"][0]
+            if direct and addr % HEADER_SIZE:
+                raise AlignmentError(
+                    f"payload buffer {i} at 0x{addr:x} is not 4096-aligned, which O_DIRECT "
+                    "needs: allocate it with kvstore.HostBuffer (or mmap), or open the store "
+                    "with io_mode='page_cache'")
+            addrs[i] = addr
+            views.append(a)
+        return addrs, views
+
+    def _caller_chunks(self, refs, payloads, writable):
+        addrs, keep = self._payload_addrs(payloads, len(refs), writable)
+        step = self.HEADER_BATCH
+        hdrs = self._header_pool(min(len(refs), step))
+        hbase = np.uint64(hdrs.address) + np.arange(min(len(refs), step), dtype=np.uint64) * np.uint64(HEADER_SIZE)
+        for start in range(0, len(refs), step):
+            stop = min(len(refs), start + step)
+            yield start, stop, hbase[:stop - start], addrs[start:stop]
+        del keep  # the caller's buffers stay referenced until every chunk has moved
+
+    HEADER_BATCH = 1024   # slots per ring batch for caller-memory transfers (4 MiB of headers)
+
+    def write_from(self, refs: Sequence[SlotRef], payloads, *, durable: bool = True) -> list[Exception | None]:
+        """Write blocks straight from caller memory (no staging copy).
+
+        `payloads`: a 2-D array with one row per ref, or a sequence of buffers, each
+        holding the payload rounded up to 4096 bytes (4096-aligned for O_DIRECT). The ring
+        stamps each header and writes header + payload as one writev. Returns None per
+        written (durable) ref, else the error.
+        """
+        self._check_open()
+        errors: list[Exception | None] = [None] * len(refs)
+        for start, stop, hdrs, pays in self._caller_chunks(refs, payloads, writable=False):
+            chunk = refs[start:stop]
+            res, _, fds, offs = self._slot_io(OP_WRITE, chunk, hdrs, pays, 0)
+            errors[start:stop] = self._write_errors(chunk, res, fds, offs, durable)
+        return errors
+
+    def read_into(self, refs: Sequence[SlotRef], payloads, *, verify: str = "checksum") -> list[Exception | None]:
+        """Read and verify blocks straight into caller memory (no staging copy).
+
+        `payloads` as for `write_from` (writable). Each slot is one readv (header into
+        kvstore's header memory, payload into the caller's buffer), checked by the ring as
+        it completes. Returns None per verified block, else its OSError or CorruptSlot: the
+        caller's bytes for a failed block are undefined and must not be used.
+        """
+        self._check_open()
+        _check_choice("verify", verify, VERIFY_MODES)
+        check_payload = verify == "checksum"
+        errors: list[Exception | None] = [None] * len(refs)
+        for start, stop, hdrs, pays in self._caller_chunks(refs, payloads, writable=True):
+            chunk = refs[start:stop]
+            res, status, fds, offs = self._slot_io(OP_READ, chunk, hdrs, pays, _VERIFY_CODE[verify])
+            for i in np.flatnonzero((res < 0) | (status != 0)):
+                ref = chunk[i]
+                if res[i] < 0:
+                    errors[start + i] = self._error(OP_READ, res[i], fds[i], offs[i], ref)
+                    continue
+                hv = self._headers.numpy()[i * HEADER_SIZE:(i + 1) * HEADER_SIZE]
+                pv = _view_at(int(pays[i]), self.payload_len)
+                errors[start + i] = _corrupt(status[i], ref, lambda: _slotfile.verify_parts(
+                    hv, pv, ref.key, ref.slot, ref.generation, self.payload_len, check_payload))
+        return errors
 
     def read_headers(self, slots: Sequence[int]) -> list:
         """Read slot headers only (for fsck): SlotHeader, or the exception, per slot."""

@@ -1,4 +1,5 @@
-from libc.stdint cimport uint64_t, int64_t, uintptr_t
+from libc.stdint cimport uint32_t, uint64_t, int64_t, uintptr_t
+from liburing.lib.type cimport __iovec
 from kvstore.includes.uring cimport io_uring
 
 cdef enum:
@@ -6,6 +7,20 @@ cdef enum:
     OP_WRITE = 1
     OP_FSYNC = 2
     MAX_BUFFERS = 64
+
+cdef struct SlotWork:
+    # The slot codec's part of one op (Ring.slot_io): the header is stamped just before a
+    # write is first submitted, and a read is checked as soon as it completes.
+    const char *key
+    uint32_t key_len
+    uint64_t slot
+    uint64_t generation
+    uint64_t payload_len
+    char *hdr            # 4096-byte header
+    char *payload
+    int verify           # reads: 0 none, 1 header, 2 header + payload checksum
+    int status           # reads: SlotCheck code (0 = good) once the read completed
+    int stamped          # writes: the header is stamped (once, before the first submission)
 
 cdef struct Op:
     int opcode
@@ -19,6 +34,10 @@ cdef struct Op:
     int64_t result       # final: bytes, or -errno
     unsigned int forced_short  # test seam: truncate the first submission
     int finished
+    int niov             # 0: one buffer (addr/remaining); else header + payload iovecs
+    __iovec iov[2]       # vectored ops: what is left to transfer
+    __iovec sub[2]       # vectored ops: what the SQE in flight points at (stable memory)
+    SlotWork *work       # slot codec work, or NULL for raw I/O
 
 cdef struct Batch:
     Op *ops
@@ -53,3 +72,6 @@ cdef class Ring:
     cdef void _requeue(self, Batch *b, Py_ssize_t i) noexcept nogil
     cdef _check_op(self, int opcode, int fd, uint64_t offset, uintptr_t addr, uint64_t length)
     cdef _inject(self, Batch *b, int opcode, fds, offsets, lengths)
+    cdef int _init_op(self, Op *op, int opcode, int fd, uint64_t offset) except -1
+    cdef int _set_buffer(self, Op *op, uintptr_t addr, uint64_t length) except -1
+    cdef _run_batch(self, Batch *b, int opcode, a_fd, a_off, a_len)

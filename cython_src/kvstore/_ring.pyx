@@ -11,6 +11,12 @@ Contract of `submit`: every op of a batch is driven to an end before the call re
 a short transfer is resubmitted for its remainder, EAGAIN/EINTR are retried, and any other
 failure becomes that op's negative errno in the result array. Buffers are therefore never
 left referenced by the kernel when the call returns, even when it raises.
+
+`slot_io` is the same loop for whole slots, with the slot codec (C functions of _slotfile,
+which owns the format) run per op inside the GIL-free section: a write's header is stamped
+(payload XXH3, header CRC) just before its first submission, and a read is checked the moment
+it completes, while the rest of the batch is still in flight. A slot whose payload lives
+apart from its header (caller memory) moves as one readv/writev of two iovecs.
 """
 import logging
 import os
@@ -27,6 +33,7 @@ from libc.string cimport memset
 from kvstore.includes.uring cimport (
     __io_uring, __io_uring_sqe, __io_uring_cqe,
     __io_uring_get_sqe, __io_uring_prep_read, __io_uring_prep_write,
+    __io_uring_prep_readv, __io_uring_prep_writev,
     __io_uring_prep_read_fixed, __io_uring_prep_write_fixed, __io_uring_prep_fsync,
     __io_uring_sqe_set_data64, __io_uring_sqe_set_flags,
     __io_uring_cq_ready, __io_uring_cq_advance,
@@ -36,6 +43,8 @@ from kvstore.includes.uring cimport (
     io_uring_register_files, io_uring_unregister_files, iovec,
 )
 from kvstore._hostbuf cimport HostBuffer
+from kvstore._slotfile cimport check_slot, payload_hash, stamp_header
+from liburing.lib.type cimport __iovec
 
 from kvstore.errors import AlignmentError, KVStoreError
 
@@ -45,6 +54,21 @@ log = logging.getLogger("kvstore.ring")
 ALIGN = 4096
 OPNAMES = ("read", "write", "fdatasync")
 _registration_warned = False
+
+
+cdef void _advance_iov(Op *op, size_t n) noexcept nogil:
+    """Drop the first n transferred bytes from a vectored op's remaining iovecs."""
+    cdef int k
+    while n > 0 and op.niov > 0:
+        if n >= op.iov[0].iov_len:
+            n -= op.iov[0].iov_len
+            for k in range(op.niov - 1):
+                op.iov[k] = op.iov[k + 1]
+            op.niov -= 1
+        else:
+            op.iov[0].iov_base = <char *>op.iov[0].iov_base + n
+            op.iov[0].iov_len -= n
+            n = 0
 
 
 cdef class Ring:
@@ -215,8 +239,9 @@ cdef class Ring:
         cdef __io_uring_sqe *sqe
         cdef Op *op
         cdef Py_ssize_t i
-        cdef unsigned int length
-        cdef int fd
+        cdef unsigned int length, left
+        cdef int fd, k, nsub
+        cdef SlotWork *w
         while b.qlen > 0 and b.inflight < self.depth:
             sqe = __io_uring_get_sqe(&self._ring.ptr)
             if sqe == NULL:
@@ -230,8 +255,27 @@ cdef class Ring:
             if op.forced_short and op.forced_short < length:
                 length = op.forced_short
                 op.forced_short = 0
+            if op.work != NULL and op.opcode == OP_WRITE and not op.work.stamped:
+                w = op.work
+                stamp_header(w.hdr, w.key, w.key_len, w.slot, w.generation, w.payload_len,
+                             payload_hash(w.payload, w.payload_len))
+                w.stamped = 1
             if op.opcode == OP_FSYNC:
                 __io_uring_prep_fsync(sqe, fd, __IORING_FSYNC_DATASYNC)
+            elif op.niov:
+                nsub = 0
+                left = length
+                for k in range(op.niov):
+                    if left == 0:
+                        break
+                    op.sub[k].iov_base = op.iov[k].iov_base
+                    op.sub[k].iov_len = op.iov[k].iov_len if op.iov[k].iov_len < left else left
+                    left -= <unsigned int>op.sub[k].iov_len
+                    nsub += 1
+                if op.opcode == OP_READ:
+                    __io_uring_prep_readv(sqe, fd, op.sub, nsub, op.offset)
+                else:
+                    __io_uring_prep_writev(sqe, fd, op.sub, nsub, op.offset)
             elif op.opcode == OP_READ:
                 if op.fixed_buf >= 0:
                     __io_uring_prep_read_fixed(sqe, fd, op.addr, length, op.offset, op.fixed_buf)
@@ -259,6 +303,7 @@ cdef class Ring:
         cdef Op *op
         cdef Py_ssize_t i
         cdef int res
+        cdef SlotWork *w
         for k in range(ready):
             cqe = &r.cq.cqes[(head + k) & mask]
             i = <Py_ssize_t>cqe.user_data
@@ -276,6 +321,11 @@ cdef class Ring:
                 op.result = op.done
                 op.finished = 1
                 b.completed += 1
+                w = op.work
+                if w != NULL and op.opcode == OP_READ and w.verify:
+                    # Checked here, while the rest of the batch is still in flight.
+                    w.status = check_slot(w.hdr, w.payload, w.key, w.key_len, w.slot,
+                                          w.generation, w.payload_len, w.verify == 2)
             elif res == 0:
                 # No progress: end of file on a read, or the device refusing a write.
                 op.result = -(ENODATA if op.opcode == OP_READ else EIO)
@@ -286,6 +336,8 @@ cdef class Ring:
                 op.addr += res
                 op.offset += <unsigned int>res
                 op.remaining -= <unsigned int>res
+                if op.niov:
+                    _advance_iov(op, <size_t>res)
                 self._requeue(b, i)
         if ready:
             __io_uring_cq_advance(r, ready)
@@ -318,6 +370,42 @@ cdef class Ring:
                     self._reap(b)
         return 0
 
+    cdef int _init_op(self, Op *op, int opcode, int fd, uint64_t offset) except -1:
+        cdef int j
+        op.opcode = opcode
+        op.fd = fd
+        op.fixed_file = -1
+        op.fixed_buf = -1
+        op.offset = offset
+        if self._files_registered:
+            for j in range(self._nfiles):
+                if self._files[j] == fd:
+                    op.fixed_file = j
+                    break
+        return 0
+
+    cdef int _set_buffer(self, Op *op, uintptr_t addr, uint64_t length) except -1:
+        """A one-buffer op: use the registered buffer that holds it, when there is one."""
+        cdef int j
+        for j in range(self._nbufs):
+            if self._buf_start[j] <= addr and addr + length <= self._buf_end[j]:
+                if self._bufs_registered:
+                    op.fixed_buf = j
+                break
+        op.addr = <char *>addr
+        op.remaining = <unsigned int>length
+        return 0
+
+    cdef _run_batch(self, Batch *b, int opcode, a_fd, a_off, a_len):
+        """Inject test faults, then drive the prepared batch to its end."""
+        cdef Py_ssize_t i
+        for i in range(b.n):
+            b.queue[i] = i
+        b.qlen = b.n
+        if self.fault_injector is not None:
+            self._inject(b, opcode, a_fd, a_off, a_len)
+        self._pump(b)
+
     def submit(self, int opcode, fds, offsets, addrs, lengths, *, bint check=True):
         """Run one batch: op `opcode` (0 read, 1 write, 2 fdatasync) on parallel arrays.
 
@@ -349,40 +437,16 @@ cdef class Ring:
             PyMem_Free(b.queue)
             raise MemoryError()
         cdef Py_ssize_t i
-        cdef int j
-        cdef uintptr_t addr
-        cdef uint64_t length
         try:
             memset(b.ops, 0, sizeof(Op) * n)
             b.n = n
             for i in range(n):
-                b.ops[i].opcode = opcode
-                b.ops[i].fd = a_fd[i]
-                b.ops[i].fixed_file = -1
-                b.ops[i].fixed_buf = -1
-                if self._files_registered:
-                    for j in range(self._nfiles):
-                        if self._files[j] == a_fd[i]:
-                            b.ops[i].fixed_file = j
-                            break
+                self._init_op(&b.ops[i], opcode, a_fd[i], a_off[i])
                 if opcode != OP_FSYNC:
-                    addr = <uintptr_t>a_addr[i]
-                    length = a_len[i]
                     if check:
-                        self._check_op(opcode, a_fd[i], a_off[i], addr, length)
-                    for j in range(self._nbufs):
-                        if self._buf_start[j] <= addr and addr + length <= self._buf_end[j]:
-                            if self._bufs_registered:
-                                b.ops[i].fixed_buf = j
-                            break
-                    b.ops[i].addr = <char *>addr
-                    b.ops[i].remaining = <unsigned int>length
-                    b.ops[i].offset = a_off[i]
-                b.queue[i] = i
-            b.qlen = n
-            if self.fault_injector is not None:
-                self._inject(&b, opcode, a_fd, a_off, a_len)
-            self._pump(&b)
+                        self._check_op(opcode, a_fd[i], a_off[i], <uintptr_t>a_addr[i], a_len[i])
+                    self._set_buffer(&b.ops[i], <uintptr_t>a_addr[i], a_len[i])
+            self._run_batch(&b, opcode, a_fd, a_off, a_len)
             for i in range(n):
                 out[i] = b.ops[i].result
         finally:
@@ -393,6 +457,111 @@ cdef class Ring:
             PyMem_Free(b.ops)
             PyMem_Free(b.queue)
         return out
+
+    def slot_io(self, int opcode, fds, offsets, hdr_addrs, payload_addrs, unsigned int io_len,
+                list keys, slots, generations, unsigned long long payload_len, *,
+                int verify=2, bint check=True, unsigned int payload_align=ALIGN):
+        """Move whole slots (a 4096-byte header + `io_len` payload bytes) in one batch.
+
+        Slot i: header at hdr_addrs[i], payload at payload_addrs[i], key keys[i] (bytes),
+        slot number slots[i], generation generations[i]. Writes stamp each header just
+        before their first submission; reads are checked on completion (verify: 0 none,
+        1 header, 2 header + payload checksum). A payload right after its header (a
+        staging slot) is one buffer, and must lie in a registered HostBuffer; a payload
+        elsewhere (caller memory, which the caller keeps alive and validated) goes as a
+        readv/writev of two iovecs; its address must be a multiple of `payload_align`
+        (4096 for O_DIRECT files; 1 for page-cache files).
+
+        Returns (results, status): int64 bytes moved or -errno per op, and int32 SlotCheck
+        codes (0 = good; reads only, meaningful where results[i] >= 0).
+        """
+        self._check_open()
+        if opcode not in (OP_READ, OP_WRITE):
+            raise ValueError(f"slot_io moves reads or writes, not opcode {opcode}")
+        if verify not in (0, 1, 2):
+            raise ValueError(f"verify must be 0, 1 or 2, got {verify}")
+        cdef cnp.ndarray[int32_t, ndim=1] a_fd = np.ascontiguousarray(fds, dtype=np.int32)
+        cdef Py_ssize_t n = a_fd.shape[0]
+        cdef cnp.ndarray[uint64_t, ndim=1] a_off = np.ascontiguousarray(offsets, dtype=np.uint64)
+        cdef cnp.ndarray[uint64_t, ndim=1] a_hdr = np.ascontiguousarray(hdr_addrs, dtype=np.uint64)
+        cdef cnp.ndarray[uint64_t, ndim=1] a_pay = np.ascontiguousarray(payload_addrs, dtype=np.uint64)
+        cdef cnp.ndarray[uint64_t, ndim=1] a_slot = np.ascontiguousarray(slots, dtype=np.uint64)
+        cdef cnp.ndarray[uint64_t, ndim=1] a_gen = np.ascontiguousarray(generations, dtype=np.uint64)
+        if not (a_off.shape[0] == a_hdr.shape[0] == a_pay.shape[0] == a_slot.shape[0]
+                == a_gen.shape[0] == len(keys) == n):
+            raise ValueError("slot_io: every per-slot array must have the same length")
+        if io_len == 0 or io_len % ALIGN or payload_len > io_len:
+            raise AlignmentError(f"slot_io: payload transfer of {io_len} bytes must be a positive "
+                                 f"multiple of {ALIGN} holding the {payload_len}-byte payload")
+        cdef cnp.ndarray[uint32_t, ndim=1] a_len = np.full(n, ALIGN + io_len, dtype=np.uint32)
+        cdef cnp.ndarray[int64_t, ndim=1] out = np.zeros(n, dtype=np.int64)
+        cdef cnp.ndarray[int32_t, ndim=1] status = np.zeros(n, dtype=np.int32)
+        if n == 0:
+            return out, status
+        cdef Batch b
+        memset(&b, 0, sizeof(Batch))
+        b.ops = <Op *>PyMem_Malloc(sizeof(Op) * n)
+        b.queue = <Py_ssize_t *>PyMem_Malloc(sizeof(Py_ssize_t) * n)
+        cdef SlotWork *works = <SlotWork *>PyMem_Malloc(sizeof(SlotWork) * n)
+        if b.ops == NULL or b.queue == NULL or works == NULL:
+            PyMem_Free(b.ops)
+            PyMem_Free(b.queue)
+            PyMem_Free(works)
+            raise MemoryError()
+        cdef Py_ssize_t i
+        cdef Op *op
+        cdef bytes key
+        cdef uintptr_t hdr, pay
+        try:
+            memset(b.ops, 0, sizeof(Op) * n)
+            memset(works, 0, sizeof(SlotWork) * n)
+            b.n = n
+            for i in range(n):
+                key = keys[i]
+                if len(key) > 128:
+                    raise ValueError(f"key of {len(key)} bytes exceeds the 128-byte header field")
+                op = &b.ops[i]
+                self._init_op(op, opcode, a_fd[i], a_off[i])
+                hdr = <uintptr_t>a_hdr[i]
+                pay = <uintptr_t>a_pay[i]
+                if pay == hdr + ALIGN:   # a staging slot: one registered buffer
+                    if check:
+                        self._check_op(opcode, a_fd[i], a_off[i], hdr, ALIGN + io_len)
+                    self._set_buffer(op, hdr, ALIGN + io_len)
+                else:
+                    if check:
+                        self._check_op(opcode, a_fd[i], a_off[i], hdr, ALIGN)
+                        if payload_align > 1 and pay % payload_align:
+                            from kvstore._hostbuf import check_io_alignment
+                            check_io_alignment(pay, io_len, a_off[i] + ALIGN, ALIGN,
+                                               f"{OPNAMES[opcode]} of a slot payload")
+                    op.niov = 2
+                    op.iov[0].iov_base = <void *>hdr
+                    op.iov[0].iov_len = ALIGN
+                    op.iov[1].iov_base = <void *>pay
+                    op.iov[1].iov_len = io_len
+                    op.addr = <char *>hdr   # unused by vectored ops; kept for symmetry
+                    op.remaining = ALIGN + io_len
+                works[i].key = key
+                works[i].key_len = <uint32_t>len(key)
+                works[i].slot = a_slot[i]
+                works[i].generation = a_gen[i]
+                works[i].payload_len = payload_len
+                works[i].hdr = <char *>hdr
+                works[i].payload = <char *>pay
+                works[i].verify = verify
+                op.work = &works[i]
+            self._run_batch(&b, opcode, a_fd, a_off, a_len)
+            for i in range(n):
+                out[i] = b.ops[i].result
+                status[i] = works[i].status
+        finally:
+            if b.inflight > 0:
+                self.close()
+            PyMem_Free(b.ops)
+            PyMem_Free(b.queue)
+            PyMem_Free(works)
+        return out, status
 
     cdef _check_op(self, int opcode, int fd, uint64_t offset, uintptr_t addr, uint64_t length):
         what = f"{OPNAMES[opcode]} of {self._fd_names.get(fd, f'fd {fd}')}"

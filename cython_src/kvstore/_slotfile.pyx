@@ -22,11 +22,19 @@ Header (little-endian, documented in docs/FORMAT.md):
 """
 import os
 import struct
+import sys
 import zlib
 
 import xxhash
 
+from libc.stdint cimport uint16_t, uint32_t, uint64_t
+from libc.string cimport memcmp, memcpy, memset
+
+from kvstore.includes.checksum cimport XXH3_64bits, crc32
 from kvstore.errors import CorruptSlot, KVStoreError
+
+if sys.byteorder != "little":  # the C codec below stores native integers
+    raise ImportError("kvstore's slot format codec supports little-endian hosts only")
 
 HEADER_SIZE = 4096
 ALIGN = 4096
@@ -49,6 +57,111 @@ def slot_size_for(payload_bytes: int) -> int:
 def payload_checksum(data) -> int:
     """xxh3_64 of a payload (any buffer)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+# --- the same format in C, for the I/O path (the ring calls these without the GIL) -----
+# Field offsets of the header struct above ("<8sHHIQQQQ128s" + crc32).
+cdef enum:
+    _OFF_VERSION = 8
+    _OFF_KEYLEN = 10
+    _OFF_FLAGS = 12
+    _OFF_SLOT = 16
+    _OFF_GEN = 24
+    _OFF_PLEN = 32
+    _OFF_CSUM = 40
+    _OFF_KEY = 48
+    _OFF_CRC = 176
+    _HEADER_SIZE = 4096
+
+cdef const char *_MAGIC = b"KVSTSLOT"
+
+
+cdef uint64_t payload_hash(const char *payload, size_t n) noexcept nogil:
+    return XXH3_64bits(payload, n)
+
+
+cdef void stamp_header(char *hdr, const char *key, uint32_t key_len, uint64_t slot,
+                       uint64_t generation, uint64_t payload_len, uint64_t checksum) noexcept nogil:
+    """encode_header in C: the caller guarantees key_len <= 128 and 4096 bytes at hdr."""
+    cdef uint16_t version = 1
+    cdef uint16_t klen = <uint16_t>key_len
+    cdef uint32_t crc
+    memset(hdr, 0, _HEADER_SIZE)
+    memcpy(hdr, _MAGIC, 8)
+    memcpy(hdr + _OFF_VERSION, &version, 2)
+    memcpy(hdr + _OFF_KEYLEN, &klen, 2)
+    memcpy(hdr + _OFF_SLOT, &slot, 8)
+    memcpy(hdr + _OFF_GEN, &generation, 8)
+    memcpy(hdr + _OFF_PLEN, &payload_len, 8)
+    memcpy(hdr + _OFF_CSUM, &checksum, 8)
+    memcpy(hdr + _OFF_KEY, key, key_len)
+    crc = <uint32_t>crc32(0, <const unsigned char *>hdr, _OFF_CRC)
+    memcpy(hdr + _OFF_CRC, &crc, 4)
+
+
+cdef inline uint64_t _u64(const char *p) noexcept nogil:
+    cdef uint64_t v
+    memcpy(&v, p, 8)
+    return v
+
+
+cdef int check_slot(const char *hdr, const char *payload, const char *key, uint32_t key_len,
+                    uint64_t slot, uint64_t generation, uint64_t payload_len,
+                    bint check_payload) noexcept nogil:
+    """verify_slot in C, in the same order of checks; returns a SlotCheck code."""
+    cdef uint16_t version, klen
+    cdef uint32_t crc
+    cdef int i
+    if memcmp(hdr, _MAGIC, 8) != 0:
+        for i in range(8):
+            if hdr[i] != 0:
+                return SLOT_BAD_MAGIC
+        return SLOT_EMPTY
+    memcpy(&crc, hdr + _OFF_CRC, 4)
+    if crc != <uint32_t>crc32(0, <const unsigned char *>hdr, _OFF_CRC):
+        return SLOT_HEADER_CRC
+    memcpy(&version, hdr + _OFF_VERSION, 2)
+    if version != 1:
+        return SLOT_VERSION
+    memcpy(&klen, hdr + _OFF_KEYLEN, 2)
+    if klen > 128:
+        return SLOT_KEY_LEN
+    if klen != key_len or memcmp(hdr + _OFF_KEY, key, key_len) != 0:
+        return SLOT_KEY
+    if _u64(hdr + _OFF_SLOT) != slot:
+        return SLOT_NUMBER
+    if _u64(hdr + _OFF_GEN) != generation:
+        return SLOT_GENERATION
+    if _u64(hdr + _OFF_PLEN) != payload_len:
+        return SLOT_PAYLOAD_LEN
+    if check_payload and XXH3_64bits(payload, payload_len) != _u64(hdr + _OFF_CSUM):
+        return SLOT_PAYLOAD_CHECKSUM
+    return SLOT_OK
+
+
+def stamp_into(buf, bytes key, unsigned long long slot, unsigned long long generation,
+               unsigned long long payload_len, payload):
+    """Test/tool entry to the C encoder: header for `payload` into the first 4096 bytes of
+    `buf` (must equal encode_header(..., payload_checksum(payload)))."""
+    if len(key) > MAX_KEY:
+        raise ValueError(f"key of {len(key)} bytes exceeds the {MAX_KEY}-byte header field")
+    cdef unsigned char[::1] h = memoryview(buf).cast("B")
+    cdef const unsigned char[::1] p = memoryview(payload).cast("B")
+    if h.shape[0] < HEADER_SIZE or <unsigned long long>p.shape[0] < payload_len:
+        raise ValueError("header buffer must hold 4096 bytes and payload payload_len bytes")
+    stamp_header(<char *>&h[0], key, len(key), slot, generation, payload_len,
+                 payload_hash(<const char *>&p[0], payload_len))
+
+
+def check_code(header, payload, bytes key, unsigned long long slot, unsigned long long generation,
+               unsigned long long payload_len, bint check_payload=True) -> int:
+    """Test entry to the C checker: its SlotCheck code (0 = good) for these bytes."""
+    cdef const unsigned char[::1] h = memoryview(header).cast("B")
+    cdef const unsigned char[::1] p = memoryview(payload).cast("B")
+    if h.shape[0] < HEADER_SIZE or (check_payload and <unsigned long long>p.shape[0] < payload_len):
+        raise ValueError("header must be 4096 bytes and payload payload_len bytes")
+    return check_slot(<const char *>&h[0], <const char *>&p[0], key, len(key), slot, generation,
+                      payload_len, check_payload)
 
 
 class SlotHeader:
@@ -111,8 +224,17 @@ def verify_slot(buf, bytes key, unsigned long long slot, unsigned long long gene
                 unsigned long long payload_len, bint check_payload=True):
     """Check a slot image (header + payload) read for `key`; raise CorruptSlot if wrong."""
     mv = memoryview(buf).cast("B")
+    if check_payload and HEADER_SIZE + payload_len > <unsigned long long>mv.nbytes:
+        raise CorruptSlot(f"slot {slot}: image shorter than its payload", key=key, slot=slot)
+    return verify_parts(mv[:HEADER_SIZE], mv[HEADER_SIZE:HEADER_SIZE + payload_len] if check_payload
+                        else None, key, slot, generation, payload_len, check_payload)
+
+
+def verify_parts(header, payload, bytes key, unsigned long long slot, unsigned long long generation,
+                 unsigned long long payload_len, bint check_payload=True):
+    """verify_slot for a header and a payload held apart (reads into caller memory)."""
     try:
-        h = decode_header(mv, slot)
+        h = decode_header(header, slot)
     except CorruptSlot as exc:
         exc.key = key
         raise
@@ -128,9 +250,10 @@ def verify_slot(buf, bytes key, unsigned long long slot, unsigned long long gene
         raise CorruptSlot(f"slot {slot}: payload length {h.payload_len}, expected {payload_len}",
                           key=key, slot=slot)
     if check_payload:
-        if HEADER_SIZE + payload_len > <unsigned long long>mv.nbytes:
+        pv = memoryview(payload).cast("B")
+        if <unsigned long long>pv.nbytes < payload_len:
             raise CorruptSlot(f"slot {slot}: image shorter than its payload", key=key, slot=slot)
-        if xxhash.xxh3_64_intdigest(mv[HEADER_SIZE:HEADER_SIZE + payload_len]) != h.payload_checksum:
+        if xxhash.xxh3_64_intdigest(pv[:payload_len]) != h.payload_checksum:
             raise CorruptSlot(f"slot {slot}: payload checksum mismatch", key=key, slot=slot)
     return h
 

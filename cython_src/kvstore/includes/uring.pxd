@@ -8,6 +8,7 @@
 from liburing.lib.uring cimport (
     __io_uring, __io_uring_sqe, __io_uring_cqe,
     __io_uring_get_sqe, __io_uring_prep_read, __io_uring_prep_write,
+    __io_uring_prep_readv, __io_uring_prep_writev,
     __io_uring_prep_read_fixed, __io_uring_prep_write_fixed, __io_uring_prep_fsync,
     __io_uring_sqe_set_data64, __io_uring_sqe_set_flags,
     __io_uring_cq_ready, __io_uring_cq_advance,

@@ -1,0 +1,210 @@
+"""RankIO.write_from / read_into: slots moved straight between disk and caller memory
+(one writev/readv of header + payload per slot, stamped and checked by the ring in C),
+and the C slot codec itself against the Python one."""
+import errno
+import mmap
+
+import numpy as np
+import pytest
+
+from kvstore import AlignmentError, CorruptSlot
+from kvstore import _slotfile
+from kvstore._hostbuf import HostBuffer
+from kvstore._slotfile import HEADER_SIZE
+from kvstore.engine import DiskStore, RankIO, SlotRef, slot_file_path
+from kvstore.layout import Layout
+
+BB = 32 << 10
+
+
+def _layout(bb=BB):
+    return Layout(model="caller-mem", dtype="float16", block_size=16, block_bytes=bb, num_layers=1,
+                  num_kv_heads=1, head_dim=bb // 32)
+
+
+def _rows(n, bb=BB, seed=0):
+    """n payload rows in page-aligned anonymous memory (what O_DIRECT needs)."""
+    m = mmap.mmap(-1, n * bb, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    a = np.frombuffer(m, dtype=np.uint8).reshape(n, bb)
+    a[:] = np.random.default_rng(seed).integers(0, 256, size=(n, bb), dtype=np.uint8)
+    return m, a
+
+
+@pytest.fixture(params=["direct", "page_cache"])
+def rig(request, tmp_path, fd_leak_check):
+    path = str(tmp_path / "s")
+    st = DiskStore.create(path, _layout(), 64 * (BB + HEADER_SIZE), io_mode=request.param, io=True)
+    yield st, st.ranks[0]
+    st.close()
+
+
+def _stored(st, rio, a, tag=b"k"):
+    ks = [tag + b"%04d" % i for i in range(len(a))]
+    refs, _ = st.reserve(ks)
+    errs = rio.write_from(refs, a)
+    assert errs == [None] * len(refs)
+    st.commit(refs)
+    return ks, refs
+
+
+def test_round_trip_rows_and_buffers_interoperate_with_staged_reads(rig):
+    st, rio = rig
+    m, a = _rows(20)
+    ks, refs = _stored(st, rio, a)
+    # Into a 2-D array of rows.
+    m2, b = _rows(20, seed=1)
+    assert rio.read_into(refs, b) == [None] * 20
+    assert np.array_equal(a, b)
+    # Into a list of separate HostBuffers.
+    bufs = [HostBuffer(BB) for _ in range(3)]
+    try:
+        assert rio.read_into(refs[5:8], [hb.numpy() for hb in bufs]) == [None] * 3
+        for j, hb in enumerate(bufs):
+            assert np.array_equal(hb.numpy(), a[5 + j])
+    finally:
+        for hb in bufs:
+            hb.close()
+    # The same slot format as the staging path: DiskStore.get reads them back.
+    got = st.get(ks)
+    assert all(got[k][0] == a[i].tobytes() for i, k in enumerate(ks))
+    # And slots written through staging are read into caller memory.
+    ks2 = [b"p%02d" % i for i in range(4)]
+    st.put(ks2, lambda i, r: a[10 + i])
+    entries = st.longest_prefix(ks2)
+    m3, c = _rows(4, seed=2)
+    assert rio.read_into([SlotRef(e.key, e.slot, e.generation) for e in entries], c) == [None] * 4
+    assert np.array_equal(c, a[10:14])
+    del b, c
+
+
+def test_batches_larger_than_the_header_pool_and_the_queue(rig):
+    st, rio = rig
+    rio.HEADER_BATCH = 7          # several ring batches of headers
+    m, a = _rows(50)
+    ks, refs = _stored(st, rio, a)
+    m2, b = _rows(50, seed=3)
+    assert rio.read_into(refs, b) == [None] * 50
+    assert np.array_equal(a, b)
+    del b
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_corrupt_payload_stale_generation_and_wrong_key_are_refused(rig):
+    st, rio = rig
+    m, a = _rows(6)
+    ks, refs = _stored(st, rio, a)
+    slot_size = rio.slot_size
+    f = slot_file_path(st.path, 0, 0)
+    spf = rio.geometry.slots_per_file
+    assert all(r.slot < spf for r in refs)
+    _flip(f, refs[1].slot * slot_size + HEADER_SIZE + 100)       # payload byte
+    _flip(f, refs[2].slot * slot_size + 20)                       # header byte
+    bad = list(refs)
+    bad[3] = SlotRef(refs[3].key, refs[3].slot, refs[3].generation + 1)   # stale reference
+    bad[4] = SlotRef(b"someone-else", refs[4].slot, refs[4].generation)
+    m2, b = _rows(6, seed=4)
+    errs = rio.read_into(bad, b)
+    assert errs[0] is None and errs[5] is None
+    assert np.array_equal(b[0], a[0]) and np.array_equal(b[5], a[5])
+    assert isinstance(errs[1], CorruptSlot) and "payload checksum mismatch" in str(errs[1])
+    assert isinstance(errs[2], CorruptSlot) and "header checksum" in str(errs[2])
+    assert isinstance(errs[3], CorruptSlot) and "generation" in str(errs[3])
+    assert isinstance(errs[4], CorruptSlot) and "holds key" in str(errs[4])
+    # verify="header" skips the payload checksum, and only that.
+    errs = rio.read_into(bad, b, verify="header")
+    assert errs[1] is None and all(isinstance(e, CorruptSlot) for e in errs[2:5])
+    del b
+
+
+def test_misaligned_short_and_readonly_buffers_are_refused_before_any_io(tmp_path, fd_leak_check):
+    path = str(tmp_path / "s")
+    st = DiskStore.create(path, _layout(), 16 * (BB + HEADER_SIZE))
+    rio = RankIO(path, 0, layout=_layout(), staging_bytes=4 * (BB + HEADER_SIZE))
+    try:
+        refs, _ = st.reserve([b"a", b"b"])
+        raw = np.zeros(2 * BB + 4096 + 64, dtype=np.uint8)
+        base = raw.__array_interface__["data"][0]
+        off = (-base) % 4096 + 64                       # deliberately 64 bytes past a page
+        rows = raw[off:off + 2 * BB].reshape(2, BB)
+        with pytest.raises(AlignmentError, match="4096-aligned.*O_DIRECT"):
+            rio.write_from(refs, rows)
+        m, a = _rows(2)
+        with pytest.raises(AlignmentError, match="hold 32768 bytes"):
+            rio.write_from(refs, a[:, :BB - 4096])
+        with pytest.raises(AlignmentError, match="buffer 1 must be contiguous and hold"):
+            rio.write_from(refs, [a[0], a[1, :100]])
+        with pytest.raises(ValueError, match="read-only"):
+            rio.read_into(refs, [bytes(BB), bytes(BB)])
+        with pytest.raises(ValueError, match="3 payload buffers for 2 blocks"):
+            rio.write_from(refs, [a[0], a[1], a[1]])
+        st.abort(refs)
+        assert st.stats()["reserved_slots"] == 0
+    finally:
+        rio.close()
+        st.close()
+
+
+def test_page_cache_mode_accepts_unaligned_memory(tmp_path, fd_leak_check):
+    path = str(tmp_path / "s")
+    st = DiskStore.create(path, _layout(), 16 * (BB + HEADER_SIZE), io_mode="page_cache")
+    rio = RankIO(path, 0, layout=_layout(), io_mode="page_cache", staging_bytes=4 * (BB + HEADER_SIZE))
+    try:
+        raw = np.random.default_rng(5).integers(0, 256, 3 * BB + 64, dtype=np.uint8)
+        rows = raw[64:64 + 3 * BB].reshape(3, BB)
+        refs, _ = st.reserve([b"a", b"b", b"c"])
+        assert rio.write_from(refs, rows) == [None] * 3
+        st.commit(refs)
+        out = np.zeros(3 * BB + 8, dtype=np.uint8)[8:].reshape(3, BB)
+        assert rio.read_into(refs, out) == [None] * 3
+        assert np.array_equal(out, rows)
+    finally:
+        rio.close()
+        st.close()
+
+
+def test_short_transfers_resume_and_errors_stay_per_block(rig):
+    """The ring resumes a vectored transfer cut short anywhere (inside the header or the
+    payload), and an I/O error fails only its own block."""
+    st, rio = rig
+    m, a = _rows(8)
+    cuts = {0: 100 * 0 + 512, 1: HEADER_SIZE, 2: HEADER_SIZE + 4096, 3: HEADER_SIZE + BB - 4096}
+    rio.ring.fault_injector = lambda op, fds, offs, lens: [(i, "short", c) for i, c in cuts.items()]
+    try:
+        ks, refs = _stored(st, rio, a)
+        m2, b = _rows(8, seed=6)
+        assert rio.read_into(refs, b) == [None] * 8
+        assert np.array_equal(a, b)
+        rio.ring.fault_injector = lambda op, fds, offs, lens: [(6, "error", errno.EIO)] if op == "read" else []
+        b[:] = 0
+        errs = rio.read_into(refs, b)
+    finally:
+        rio.ring.fault_injector = None
+    assert isinstance(errs[6], OSError) and errs[6].errno == errno.EIO
+    assert [e is None for e in errs] == [True] * 6 + [False, True]
+    assert np.array_equal(np.delete(a, 6, axis=0), np.delete(b, 6, axis=0))
+    del b
+
+
+def test_c_codec_matches_the_python_codec():
+    rng = np.random.default_rng(7)
+    for plen in (4096, 5000, BB):
+        p = rng.integers(0, 256, plen, dtype=np.uint8)
+        key = bytes(rng.integers(0, 256, 36, dtype=np.uint8))
+        h_py, h_c = bytearray(HEADER_SIZE), bytearray(HEADER_SIZE)
+        _slotfile.encode_header(h_py, key, 11, 3, plen, _slotfile.payload_checksum(p))
+        _slotfile.stamp_into(h_c, key, 11, 3, plen, p)
+        assert h_py == h_c
+        assert _slotfile.check_code(h_c, p, key, 11, 3, plen) == 0
+        assert _slotfile.check_code(h_c, p, key, 12, 3, plen) != 0
+        q = p.copy()
+        q[-1] ^= 1
+        assert _slotfile.check_code(h_c, q, key, 11, 3, plen) != 0
+        assert _slotfile.check_code(h_c, q, key, 11, 3, plen, False) == 0
+    assert _slotfile.check_code(bytes(HEADER_SIZE), p, key, 11, 3, plen) == 1   # never written
