@@ -30,7 +30,7 @@ import xxhash
 from libc.stdint cimport uint16_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memset
 
-from kvstore.includes.checksum cimport XXH3_64bits, crc32
+from kvstore.includes.checksum cimport crc32, kvstore_xxh3_64
 from kvstore.errors import CorruptSlot, KVStoreError
 
 if sys.byteorder != "little":  # the C codec below stores native integers
@@ -77,7 +77,7 @@ cdef const char *_MAGIC = b"KVSTSLOT"
 
 
 cdef uint64_t payload_hash(const char *payload, size_t n) noexcept nogil:
-    return XXH3_64bits(payload, n)
+    return kvstore_xxh3_64(payload, n)
 
 
 cdef void stamp_header(char *hdr, const char *key, uint32_t key_len, uint64_t slot,
@@ -134,7 +134,7 @@ cdef int check_slot(const char *hdr, const char *payload, const char *key, uint3
         return SLOT_GENERATION
     if _u64(hdr + _OFF_PLEN) != payload_len:
         return SLOT_PAYLOAD_LEN
-    if check_payload and XXH3_64bits(payload, payload_len) != _u64(hdr + _OFF_CSUM):
+    if check_payload and kvstore_xxh3_64(payload, payload_len) != _u64(hdr + _OFF_CSUM):
         return SLOT_PAYLOAD_CHECKSUM
     return SLOT_OK
 

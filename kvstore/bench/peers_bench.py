@@ -159,19 +159,19 @@ class KVStoreSystem:
         self.lock = threading.Lock()  # the Index has one owner at a time (the scheduler)
         self.round = 0
 
-    def _fill_from(self, first_block):
-        src = self.ctx.src
-
-        def fill(start, stop, views):
-            for j, v in enumerate(views):
-                v[:] = src[(first_block + start + j) % self.ctx.nblocks]
-        return fill
+    def _src_rows(self, first_block, n):
+        """Rows of the source region for blocks first_block.. (wrapping round it)."""
+        src, nb = self.ctx.src, self.ctx.nblocks
+        first = first_block % nb
+        if first + n <= nb:
+            return src[first:first + n]
+        return [src[(first + j) % nb] for j in range(n)]
 
     def _store(self, rio, keys, first_block):
         with self.lock:
             refs, _ = self.store.reserve(keys)
         try:
-            errs = rio.write_blocks(refs, self._fill_from(first_block))
+            errs = rio.write_from(refs, self._src_rows(first_block, len(refs)))
         except BaseException:
             with self.lock:
                 self.store.abort(refs)
@@ -183,20 +183,14 @@ class KVStoreSystem:
 
     def _load(self, rio, keys, dst_first):
         from kvstore.engine import SlotRef
-        dst = self.ctx.dst
         with self.lock:
             entries = self.store.longest_prefix(keys)
             if len(entries) != len(keys):
                 raise KVStoreError(f"kvstore found {len(entries)} of {len(keys)} blocks")
             self.store.pin(e.slot for e in entries)
         refs = [SlotRef(e.key, e.slot, e.generation) for e in entries]
-
-        def drain(start, stop, views, errors):
-            for j, v in enumerate(views):
-                if errors[j] is None:
-                    dst[dst_first + start + j][:] = v
         try:
-            errs = rio.read_blocks(refs, drain, verify="checksum")
+            errs = rio.read_into(refs, self.ctx.dst[dst_first:dst_first + len(refs)], verify="checksum")
         finally:
             with self.lock:
                 self.store.unpin(r.slot for r in refs)
