@@ -59,6 +59,14 @@ def _corrupt(code: int, ref, recheck) -> CorruptSlot:
                        key=ref.key, slot=ref.slot)
 
 
+def _settle(fut) -> None:
+    """Wait for a ring future whatever its outcome (its error is the caller's to report)."""
+    try:
+        fut.result()
+    except BaseException:
+        pass
+
+
 def _view_at(addr: int, nbytes: int) -> np.ndarray:
     """A uint8 view of nbytes at a raw address (caller memory that is alive for the call)."""
     import ctypes
@@ -315,7 +323,7 @@ class RankIO:
         """
         stage = np.asarray(stage_slots, dtype=np.uint64)
         hdrs = np.uint64(self.staging.address) + stage * np.uint64(self.slot_size)
-        return self._slot_io(opcode, refs, hdrs, hdrs + np.uint64(HEADER_SIZE), verify)
+        return self._slot_io(opcode, refs, hdrs, None, verify)
 
     def _slot_io(self, opcode, refs, hdr_addrs, payload_addrs, verify: int):
         fds, offs = self._locate([r.slot for r in refs])
@@ -439,17 +447,26 @@ class RankIO:
             return fds
 
         fds_of: dict[int, np.ndarray] = {}
-        for start, stop, base in self._halves(len(refs)):
-            chunk = refs[start:stop]
-            slots = range(base, base + len(chunk))
-            fill(start, stop, [self.payload_view(i) for i in slots])
+        try:
+            for start, stop, base in self._halves(len(refs)):
+                chunk = refs[start:stop]
+                slots = range(base, base + len(chunk))
+                fill(start, stop, [self.payload_view(i) for i in slots])
+                if pending is not None:
+                    p, pending = pending, None
+                    fds_of[p[0]] = collect(p)
+                # A single chunk has nothing to overlap with: run it here.
+                fut = self._ring_task(not (stop == len(refs) and pending is None and not fds_of),
+                                      OP_WRITE, chunk, slots)
+                pending = (start, chunk, fut)
             if pending is not None:
-                fds_of[pending[0]] = collect(pending)
-            # A single chunk has nothing to overlap with: run it here.
-            fut = self._ring_task(not (stop == len(refs) and pending is None), OP_WRITE, chunk, slots)
-            pending = (start, chunk, fut)
-        if pending is not None:
-            fds_of[pending[0]] = collect(pending)
+                p, pending = pending, None
+                fds_of[p[0]] = collect(p)
+        finally:
+            if pending is not None:
+                # fill (or collect) raised: the ring thread must be done with staging and
+                # the ring before anyone else uses them.
+                _settle(pending[2])
         if durable and touched:
             order = sorted(touched)
             sres = self.ring.submit(2, order, None, None, None)
@@ -506,17 +523,21 @@ class RankIO:
             # One chunk or one area has nothing to overlap with: run it here.
             futs[k] = self._ring_task(len(plan) > 1 and len(areas) > 1,
                                       OP_READ, refs[start:stop], slots[:stop - start], vcode)
-        if plan:
-            launch(0)
-        for k, (start, stop, slots) in enumerate(plan):
-            res, status, fds, offs = futs.pop(k).result()
-            if k + 1 < len(plan):
-                launch(k + 1)
-            chunk = refs[start:stop]
-            used = slots[:len(chunk)]
-            chunk_errors = self._verify(chunk, used, res, status, fds, offs, verify == "checksum")
-            consume(start, stop, used, chunk_errors)
-            errors += chunk_errors
+        try:
+            if plan:
+                launch(0)
+            for k, (start, stop, slots) in enumerate(plan):
+                res, status, fds, offs = futs.pop(k).result()
+                if k + 1 < len(plan):
+                    launch(k + 1)
+                chunk = refs[start:stop]
+                used = slots[:len(chunk)]
+                chunk_errors = self._verify(chunk, used, res, status, fds, offs, verify == "checksum")
+                consume(start, stop, used, chunk_errors)
+                errors += chunk_errors
+        finally:
+            for fut in futs.values():   # consume raised: let the ring thread finish first
+                _settle(fut)
         return errors
 
     def _verify(self, refs, stage_slots, res, status, fds, offs, check_payload) -> list[Exception | None]:
@@ -535,14 +556,14 @@ class RankIO:
 
     # -- slots whose payload lives in caller memory (no staging copy) ----------------
     def _header_pool(self, n: int) -> HostBuffer:
-        """Header memory for n slots of a caller-memory transfer (grown on demand)."""
+        """Header memory for n slots of a caller-memory transfer (grown on demand; the ring
+        moves these with readv/writev, so it is never registered with the kernel)."""
         need = max(1, n) * HEADER_SIZE
         if self._headers is None or self._headers.nbytes < need:
             if self._headers is not None:
                 self._headers.close()
                 self._headers = None
             self._headers = HostBuffer(need)
-            self.ring.register_buffers([self.staging, self._headers])
         return self._headers
 
     def _payload_addrs(self, payloads, n: int, writable: bool):
@@ -555,7 +576,12 @@ class RankIO:
             arr = payloads
             if arr.shape[0] != n:
                 raise ValueError(f"{arr.shape[0]} payload rows for {n} blocks")
+            if arr.dtype.hasobject:
+                raise TypeError("payload memory must hold plain numbers, not Python objects")
             row = arr.shape[1] * arr.itemsize
+            if n > 1 and arr.strides[0] < max(row, io_len):
+                raise AlignmentError(f"payload rows overlap or run backwards (row stride "
+                                     f"{arr.strides[0]} for {io_len}-byte transfers)")
             if arr.strides[1] != arr.itemsize or row < io_len:
                 raise AlignmentError(
                     f"payload rows must be contiguous and hold {io_len} bytes (the {self.payload_len}"
@@ -577,6 +603,8 @@ class RankIO:
         addrs = np.empty(n, dtype=np.uint64)
         for i, b in enumerate(bufs):
             mv = memoryview(b)
+            if "O" in mv.format:
+                raise TypeError(f"payload buffer {i} holds Python objects; pass plain memory")
             if writable and mv.readonly:
                 raise ValueError(f"payload buffer {i} is read-only; reads need writable memory")
             if not mv.c_contiguous or mv.nbytes < io_len:

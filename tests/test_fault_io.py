@@ -74,7 +74,9 @@ class _LyingRing:
     def slot_io(self, opcode, *args, **kw):
         res, status = self._ring.slot_io(opcode, *args, **kw)
         if opcode == 1:
-            res = np.minimum(res, self._cut)   # "done" after the header only
+            # The whole slot went out, but the count claims only the header did: the
+            # engine must not trust (or commit) a write it cannot prove complete.
+            res = np.minimum(res, self._cut)
         return res, status
 
     def __getattr__(self, name):
@@ -89,7 +91,7 @@ def test_short_write_count_is_never_committed(tmp_path):
     with kv_harness(store) as h:
         w = workers(h)[0]
         real = w.io.ring
-        w.io.ring = _LyingRing(real, 4096)        # header reaches the disk, payload not
+        w.io.ring = _LyingRing(real, 4096)        # reports only the header as written
         try:
             _stored(h, ps, max_tokens=1)
         finally:

@@ -451,26 +451,44 @@ cdef class Ring:
                 out[i] = b.ops[i].result
         finally:
             if b.inflight > 0:
-                # An unexpected failure while the kernel still owns buffers: tear the
-                # ring down, which cancels and waits for every in-flight request.
-                self.close()
+                self._abandon(&b)
             PyMem_Free(b.ops)
             PyMem_Free(b.queue)
         return out
 
+    cdef _abandon(self, Batch *b):
+        """An unexpected failure with requests still in flight: wait (bounded) until the
+        kernel is done with their buffers (queue_exit alone would return before in-flight
+        block I/O ends, and the caller may free or reuse that memory), then close."""
+        cdef int tries = 0
+        b.qlen = 0   # submit nothing more
+        while b.inflight > 0 and tries < 10000:
+            tries += 1
+            try:
+                with nogil:
+                    io_uring_submit_and_wait(self._ring, 1)
+                    self._reap(b)
+            except OSError:
+                with nogil:
+                    self._reap(b)
+        self.close()
+
     def slot_io(self, int opcode, fds, offsets, hdr_addrs, payload_addrs, unsigned int io_len,
-                list keys, slots, generations, unsigned long long payload_len, *,
+                keys, slots, generations, unsigned long long payload_len, *,
                 int verify=2, bint check=True, unsigned int payload_align=ALIGN):
         """Move whole slots (a 4096-byte header + `io_len` payload bytes) in one batch.
 
-        Slot i: header at hdr_addrs[i], payload at payload_addrs[i], key keys[i] (bytes),
-        slot number slots[i], generation generations[i]. Writes stamp each header just
-        before their first submission; reads are checked on completion (verify: 0 none,
-        1 header, 2 header + payload checksum). A payload right after its header (a
-        staging slot) is one buffer, and must lie in a registered HostBuffer; a payload
-        elsewhere (caller memory, which the caller keeps alive and validated) goes as a
-        readv/writev of two iovecs; its address must be a multiple of `payload_align`
-        (4096 for O_DIRECT files; 1 for page-cache files).
+        Slot i: header at hdr_addrs[i], key keys[i] (bytes), slot number slots[i],
+        generation generations[i]. Writes stamp each header just before their first
+        submission; reads are checked on completion (verify: 0 none, 1 header, 2 header +
+        payload checksum).
+        - payload_addrs None: staging slots, the payload right after its header; each slot
+          is one (fixed-buffer) transfer and must lie in a HostBuffer given to
+          register_buffers.
+        - payload_addrs given: payload i at payload_addrs[i] (caller memory, which the
+          caller keeps alive and has validated); each slot is a readv/writev of two
+          iovecs. Headers must be 4096-aligned, payloads a multiple of `payload_align`
+          (4096 for O_DIRECT files; 1 for page-cache files); neither needs registering.
 
         Returns (results, status): int64 bytes moved or -errno per op, and int32 SlotCheck
         codes (0 = good; reads only, meaningful where results[i] >= 0).
@@ -484,7 +502,10 @@ cdef class Ring:
         cdef Py_ssize_t n = a_fd.shape[0]
         cdef cnp.ndarray[uint64_t, ndim=1] a_off = np.ascontiguousarray(offsets, dtype=np.uint64)
         cdef cnp.ndarray[uint64_t, ndim=1] a_hdr = np.ascontiguousarray(hdr_addrs, dtype=np.uint64)
-        cdef cnp.ndarray[uint64_t, ndim=1] a_pay = np.ascontiguousarray(payload_addrs, dtype=np.uint64)
+        cdef bint staged = payload_addrs is None
+        cdef cnp.ndarray[uint64_t, ndim=1] a_pay = np.ascontiguousarray(
+            a_hdr + np.uint64(ALIGN) if staged else payload_addrs, dtype=np.uint64)
+        keys = tuple(keys)   # the C side borrows pointers into these bytes: hold them here
         cdef cnp.ndarray[uint64_t, ndim=1] a_slot = np.ascontiguousarray(slots, dtype=np.uint64)
         cdef cnp.ndarray[uint64_t, ndim=1] a_gen = np.ascontiguousarray(generations, dtype=np.uint64)
         if not (a_off.shape[0] == a_hdr.shape[0] == a_pay.shape[0] == a_slot.shape[0]
@@ -524,17 +545,19 @@ cdef class Ring:
                 self._init_op(op, opcode, a_fd[i], a_off[i])
                 hdr = <uintptr_t>a_hdr[i]
                 pay = <uintptr_t>a_pay[i]
-                if pay == hdr + ALIGN:   # a staging slot: one registered buffer
+                if staged:   # a staging slot: one buffer, registered when the kernel allowed
                     if check:
                         self._check_op(opcode, a_fd[i], a_off[i], hdr, ALIGN + io_len)
                     self._set_buffer(op, hdr, ALIGN + io_len)
                 else:
-                    if check:
-                        self._check_op(opcode, a_fd[i], a_off[i], hdr, ALIGN)
-                        if payload_align > 1 and pay % payload_align:
-                            from kvstore._hostbuf import check_io_alignment
-                            check_io_alignment(pay, io_len, a_off[i] + ALIGN, ALIGN,
-                                               f"{OPNAMES[opcode]} of a slot payload")
+                    if check and (hdr % ALIGN or a_off[i] % ALIGN
+                                  or (payload_align > 1 and pay % payload_align)):
+                        from kvstore._hostbuf import check_io_alignment
+                        bad_hdr = hdr % ALIGN or a_off[i] % ALIGN
+                        check_io_alignment(hdr if bad_hdr else pay, ALIGN if bad_hdr else io_len,
+                                           a_off[i] if bad_hdr else a_off[i] + ALIGN, ALIGN,
+                                           f"{OPNAMES[opcode]} of a slot "
+                                           f"{'header' if bad_hdr else 'payload'}")
                     op.niov = 2
                     op.iov[0].iov_base = <void *>hdr
                     op.iov[0].iov_len = ALIGN
@@ -557,7 +580,7 @@ cdef class Ring:
                 status[i] = works[i].status
         finally:
             if b.inflight > 0:
-                self.close()
+                self._abandon(&b)
             PyMem_Free(b.ops)
             PyMem_Free(b.queue)
             PyMem_Free(works)
