@@ -3,10 +3,15 @@
 On one directory, with one block size, block count, queue depth and O_DIRECT setting, and
 with the page cache dropped before every read phase, it measures for each system:
 
-- kvstore: the engine with its index work: store = DiskStore.reserve -> RankIO.write_blocks
-  (staging copy, headers, xxh3 checksums, batched fdatasync) -> commit; load =
-  longest_prefix -> pin -> RankIO.read_blocks (checksums verified) -> unpin -> touch. The
-  index (LMDB, sync=True) is driven from one owner thread, as the scheduler would.
+- kvstore: the engine with its index work: store = DiskStore.reserve -> RankIO.write_from
+  (headers stamped with XXH3 payload checksums by the ring, one writev per slot straight
+  from the source rows, batched fdatasync) -> commit; load = longest_prefix -> pin ->
+  RankIO.read_into (one readv per slot into the destination rows, every slot checked by
+  the ring as it completes) -> unpin -> touch. Loads queued together share one ring pass,
+  as the connector's I/O thread batches them. The source/destination rows play the pinned
+  host memory both kvstore and the fs tier DMA to and from the GPU (the fs tier's primary
+  tier): neither system copies through extra host memory. The index (LMDB) is driven
+  from one owner thread, as the scheduler would.
 - vllm_fs: vLLM's own FileSystemTierManager (vllm/v1/kv_offload/tiering/fs/: one file per
   block, a DualQueueThreadPool of 16 read + 16 write threads, the vllm.fs_io_C helper when
   present), driven the way its TieringOffloadingManager drives it: one store job per
@@ -181,14 +186,18 @@ class KVStoreSystem:
         with self.lock:
             self.store.commit(refs)
 
-    def _load(self, rio, keys, dst_first):
+    def _load(self, rio, requests, dst_first):
+        """Load the prefixes of `requests` (lists of keys) as kvstore's worker does: every
+        load queued at the time shares one ring pass, straight into the destination rows."""
         from kvstore.engine import SlotRef
+        refs = []
         with self.lock:
-            entries = self.store.longest_prefix(keys)
-            if len(entries) != len(keys):
-                raise KVStoreError(f"kvstore found {len(entries)} of {len(keys)} blocks")
-            self.store.pin(e.slot for e in entries)
-        refs = [SlotRef(e.key, e.slot, e.generation) for e in entries]
+            for keys in requests:
+                entries = self.store.longest_prefix(keys)
+                if len(entries) != len(keys):
+                    raise KVStoreError(f"kvstore found {len(entries)} of {len(keys)} blocks")
+                self.store.pin(e.slot for e in entries)
+                refs += [SlotRef(e.key, e.slot, e.generation) for e in entries]
         try:
             errs = rio.read_into(refs, self.ctx.dst[dst_first:dst_first + len(refs)], verify="checksum")
         finally:
@@ -197,7 +206,8 @@ class KVStoreSystem:
         if any(e is not None for e in errs):
             raise KVStoreError(f"kvstore read failed verification: {next(e for e in errs if e is not None)}")
         with self.lock:
-            self.store.touch(keys)
+            for keys in requests:
+                self.store.touch(keys)
 
     def store_phase(self):
         ctx = self.ctx
@@ -208,8 +218,9 @@ class KVStoreSystem:
 
     def load_phase(self):
         ctx = self.ctx
-        for first in range(0, ctx.nblocks, ctx.prefix):  # one request per prefix
-            self._load(self.rio, self.keys[first:first + ctx.prefix], first)
+        # One request per prefix, all arriving together (the fs tier gets them as jobs
+        # submitted at once to its pool; kvstore's I/O thread batches queued loads).
+        self._load(self.rio, [self.keys[f:f + ctx.prefix] for f in range(0, ctx.nblocks, ctx.prefix)], 0)
         got = ctx.dst[:ctx.nblocks]
         if not np.array_equal(got[:, :64], ctx.src[:ctx.nblocks, :64]):
             raise KVStoreError("kvstore loaded bytes that differ from what it stored")
@@ -228,7 +239,7 @@ class KVStoreSystem:
             self._store(self.bg_rio, _keys(f"b{self.round}", n, batch), n)
             return batch * self.block
 
-        return _prefix_samples(lambda: self._load(self.rio, prefix_keys, 0), bg_step, samples)
+        return _prefix_samples(lambda: self._load(self.rio, [prefix_keys], 0), bg_step, samples)
 
     def end_round(self):
         with self.lock:

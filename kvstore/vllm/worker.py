@@ -98,6 +98,7 @@ class KVStoreWorker:
         self._meta: KVStoreMetadata | None = None
         self._started_jobs: set[int] = set()
         self._closed = False
+        self._busy = False              # the I/O thread is inside a job (even a timed-out one)
         self.load_busy_s = 0.0          # I/O thread time spent on loads (for throughput)
         self.loaded_bytes_total = 0
         self._thread = threading.Thread(target=self._run, name=f"kvstore-io-rank{rank}", daemon=True)
@@ -162,18 +163,39 @@ class KVStoreWorker:
         self._jobs.put((priority, seq, item))
 
     # -- the I/O thread --------------------------------------------------------------
+    MAX_LOAD_BATCH = 64   # requests whose loads share one ring pass
+
     def _run(self) -> None:
         while True:
-            _, _, item = self._jobs.get()
+            entry = self._jobs.get()
+            item = entry[2]
             if item is None:
                 return
+            self._busy = True
             try:
                 if item[0] == "store":
                     self._do_store(*item[1:])
                 else:
-                    self._do_load(item[1])
+                    self._do_load(self._more_loads([item[1]]))
             except Exception as exc:  # a bug must not kill the I/O thread silently
                 log.exception("kvstore rank %d: I/O job failed: %s", self.rank, exc)
+            finally:
+                self._busy = False
+
+    def _more_loads(self, states: list) -> list:
+        """Every other load already queued joins this pass: one ring batch keeps the queue
+        depth full across requests instead of draining it at the end of each one."""
+        while len(states) < self.MAX_LOAD_BATCH:
+            try:
+                entry = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            item = entry[2]
+            if item is None or item[0] != "load":
+                self._jobs.put(entry)   # same (priority, sequence): its place is kept
+                break
+            states.append(item[1])
+        return states
 
     def _do_store(self, job: StoreJob, stage: list[int], event, dropped: list[int]) -> None:
         refs = [SlotRef(k, s, g) for k, s, g in zip(job.keys, job.slots, job.generations)]
@@ -196,16 +218,28 @@ class KVStoreWorker:
         with self._lock:
             self._store_reports[job_id] = [1, failed]
 
-    def _do_load(self, st: _LoadState) -> None:
+    def _do_load(self, states: list) -> None:
         t0 = time.perf_counter()
         try:
-            self._do_load_timed(st)
+            self._do_load_timed(states)
         finally:
             self.load_busy_s += time.perf_counter() - t0
 
-    def _do_load_timed(self, st: _LoadState) -> None:
-        job = st.job
-        refs = [SlotRef(k, s, g) for k, s, g in zip(job.keys, job.slots, job.generations)]
+    def _do_load_timed(self, states: list) -> None:
+        # One pass for every request in `states`: their blocks are read as one sequence,
+        # and each request is reported as soon as its last block is in the KV cache.
+        refs: list[SlotRef] = []
+        owner: list[tuple] = []          # (state, index of the block in its job)
+        for st in states:
+            job = st.job
+            for i, (k, s, g) in enumerate(zip(job.keys, job.slots, job.generations)):
+                refs.append(SlotRef(k, s, g))
+                owner.append((st, i))
+        failed: dict[int, set] = {id(st): set() for st in states}
+        left = {id(st): len(st.job.keys) for st in states}
+        for st in states:
+            if not st.job.keys:
+                self._finish_load(st, failed[id(st)])
         # Two staging areas when the load spans several chunks: the ring reads the next
         # chunk while this thread scatters the previous one into the KV cache.
         step = max(1, min(len(refs), self.slots.total // 4 or 1))
@@ -215,39 +249,59 @@ class KVStoreWorker:
             if area is None:
                 break
             areas.append(area)
-        failed: set[int] = set()
-        if not areas:
-            failed.update(range(len(refs)))
-        else:
-            def consume(start, stop, stage, errors):
-                good = [i for i, e in enumerate(errors) if e is None]
-                for i, e in enumerate(errors):
-                    if e is not None:
-                        failed.add(start + i)
-                        log.warning("kvstore rank %d: load of block %d of request %s failed: %s; "
-                                    "it will be recomputed", self.rank, start + i, job.req_id, e)
+
+        def consume(start, stop, stage, errors):
+            groups: dict[int, tuple] = {}
+            for j, e in enumerate(errors):
+                st, i = owner[start + j]
+                g = groups.setdefault(id(st), (st, [], [], [0]))
+                g[3][0] += 1
+                if e is not None:
+                    failed[id(st)].add(i)
+                    log.warning("kvstore rank %d: load of block %d of request %s failed: %s; "
+                                "it will be recomputed", self.rank, i, st.job.req_id, e)
+                else:
+                    g[1].append(stage[j])
+                    g[2].append(st.job.block_ids[i])
+            for key, (st, stage_ids, block_ids, count) in groups.items():
                 with st.lock:
-                    if st.cancelled:   # timed out: vLLM recomputes these blocks, hands off
-                        return
-                    KVTransfer.wait(self.transfer.scatter([stage[i] for i in good],
-                                                          [job.block_ids[start + i] for i in good]))
+                    if not st.cancelled and stage_ids:   # timed out: vLLM recomputes, hands off
+                        KVTransfer.wait(self.transfer.scatter(stage_ids, block_ids))
+                left[key] -= count[0]
+                if left[key] == 0:
+                    self._finish_load(st, failed[key])
+
+        if not areas:
+            for st in states:
+                failed[id(st)].update(range(len(st.job.keys)))
+        else:
             try:
                 self.io.read_pipelined(refs, areas, consume, verify=self.cfg.verify)
             except Exception as exc:
-                failed.update(range(len(refs)))
-                log.warning("kvstore rank %d: load of request %s failed: %s", self.rank, job.req_id, exc)
+                for st in states:
+                    if left[id(st)]:
+                        failed[id(st)].update(range(len(st.job.keys)))
+                log.warning("kvstore rank %d: load of %d request(s) failed: %s", self.rank,
+                            len(states), exc)
             finally:
                 for area in areas:
                     self.slots.give(area)
+        for st in states:
+            if left[id(st)]:     # not reported from consume: no staging, or the read raised
+                left[id(st)] = 0
+                self._finish_load(st, failed[id(st)])
+
+    def _finish_load(self, st: _LoadState, failed: set) -> None:
         with st.lock:
             if st.cancelled:
                 return
             st.failed_idx = failed
             st.done = True
-        self.loaded_bytes_total += (len(refs) - len(failed)) * self.io.payload_len
+        n = len(st.job.keys)
+        self.loaded_bytes_total += (n - len(failed)) * self.io.payload_len
         # Block counts (loaded_blocks, load_failures) are the scheduler's: once per
         # block, not once per rank.
-        self._stats.add(loaded_bytes=(len(refs) - len(failed)) * self.io.payload_len)
+        self._stats.add(loaded_bytes=(n - len(failed)) * self.io.payload_len)
 
     # -- reports to the scheduler ----------------------------------------------------
     def _collect_loads(self) -> None:
@@ -302,7 +356,8 @@ class KVStoreWorker:
     def pending(self) -> int:
         """Jobs queued or running on the I/O thread (for tests and shutdown)."""
         with self._lock:
-            return self._jobs.qsize() + sum(1 for s in self._loads.values() if not s.done)
+            return (self._jobs.qsize() + int(self._busy)
+                    + sum(1 for s in self._loads.values() if not s.done))
 
     def shutdown(self) -> None:
         if self._closed:
