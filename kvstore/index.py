@@ -324,11 +324,23 @@ class Index:
 
     def _write_failed(self, exc: Exception, doing: str) -> KVStoreError:
         msg = f"cannot write the index at {self._path} ({doing}): {exc}"
-        if "No space left" in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC:
+        if ("No space left" in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC
+                or (("Input/output error" in str(exc) or getattr(exc, "errno", None) == errno.EIO)
+                    and self._fs_full())):
+            # LMDB reports a write the full disk cut short as EIO, not ENOSPC
+            # (mdb_page_flush: a short pwrite becomes EIO).
             msg += ("; the filesystem is full. Slot files are preallocated, only the index "
                     "grows: free space on that filesystem (until then stores are dropped and "
                     "loads keep working)")
         return KVStoreError(msg)
+
+    def _fs_full(self) -> bool:
+        """The index's filesystem has no room for one more page (so an EIO was ENOSPC)."""
+        try:
+            st = os.statvfs(self._path)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize < 64 << 10
 
     def _get(self, txn: lmdb.Transaction, name: bytes) -> int:
         return _U64.unpack(txn.get(name, db=self._meta))[0]

@@ -212,3 +212,14 @@ def test_slotfile_preallocation_enospc_is_clear(small_fs, fd_leak_check):
         SlotFile(str(small_fs / "x.kvs"), BS, 1024, create=True)
     assert ei.value.errno == errno.ENOSPC and "lower the store capacity" in str(ei.value)
     assert not os.path.exists(small_fs / "x.kvs")  # nothing half-made left behind
+
+
+def test_fault_injector_naming_a_missing_op_is_refused(tmp_path, fd_leak_check):
+    """The test seam checks its indices (an out-of-range one once wrote past the batch)."""
+    f, hb, ring = _setup(tmp_path)
+    ring.fault_injector = lambda op, fds, offs, lens: [(len(fds), "short", 4096)]
+    with pytest.raises(IndexError, match="op 3 of a write batch of 3"):
+        _io(ring, f, hb, 1, [0, 1, 2])
+    ring.fault_injector = None
+    assert (_io(ring, f, hb, 1, [0, 1, 2]) == BS).all()   # the ring is still usable
+    ring.close(); f.close(); hb.close()

@@ -611,6 +611,8 @@ cdef class Ring:
             return
         dropped = set()
         for i, kind, value in faults:
+            if not 0 <= i < n:
+                raise IndexError(f"fault_injector named op {i} of a {OPNAMES[opcode]} batch of {n}")
             if kind == "error":
                 b.ops[i].result = -abs(int(value))
                 b.ops[i].finished = 1
