@@ -555,16 +555,32 @@ class RankIO:
         return out
 
     # -- slots whose payload lives in caller memory (no staging copy) ----------------
-    def _header_pool(self, n: int) -> HostBuffer:
-        """Header memory for n slots of a caller-memory transfer (grown on demand; the ring
-        moves these with readv/writev, so it is never registered with the kernel)."""
-        need = max(1, n) * HEADER_SIZE
-        if self._headers is None or self._headers.nbytes < need:
-            if self._headers is not None:
-                self._headers.close()
-                self._headers = None
-            self._headers = HostBuffer(need)
+    def _header_pool(self) -> HostBuffer:
+        """Header memory of caller-memory transfers: HEADER_BATCH headers, allocated once
+        (so it can stay registered with the ring)."""
+        if self._headers is None:
+            self._headers = HostBuffer(max(1, self.HEADER_BATCH) * HEADER_SIZE)
         return self._headers
+
+    def register_memory(self, *buffers) -> bool:
+        """Register caller memory that write_from/read_into will move slots from/into
+        (writable, C-contiguous; e.g. the rows of a pinned host region), together with
+        staging and kvstore's header memory. Slots whose payload lies in it then move as
+        two fixed-buffer ops (header, payload) instead of a readv/writev: the kernel pins
+        those pages once here instead of on every I/O. Replaces earlier registrations;
+        call it while this RankIO has no I/O in flight, and keep the memory alive until
+        `unregister_memory()` or close. Returns False (and keeps plain I/O) when the
+        kernel refuses the registration."""
+        self._check_open()
+        ok = self.ring.register_buffers([self.staging, self._header_pool(), *buffers])
+        if not ok:
+            self.ring.register_buffers([self.staging])
+        return ok
+
+    def unregister_memory(self) -> None:
+        """Drop caller memory registered with `register_memory` (staging stays)."""
+        self._check_open()
+        self.ring.register_buffers([self.staging])
 
     def _payload_addrs(self, payloads, n: int, writable: bool):
         """Addresses of n caller payload buffers, each checked: C-contiguous, holding the
@@ -624,8 +640,8 @@ class RankIO:
 
     def _caller_chunks(self, refs, payloads, writable):
         addrs, keep = self._payload_addrs(payloads, len(refs), writable)
-        step = self.HEADER_BATCH
-        hdrs = self._header_pool(min(len(refs), step))
+        hdrs = self._header_pool()
+        step = max(1, min(self.HEADER_BATCH, hdrs.nbytes // HEADER_SIZE))
         hbase = np.uint64(hdrs.address) + np.arange(min(len(refs), step), dtype=np.uint64) * np.uint64(HEADER_SIZE)
         for start in range(0, len(refs), step):
             stop = min(len(refs), start + step)

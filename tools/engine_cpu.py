@@ -2,7 +2,7 @@
 RankIO.read_into (verify=header and verify=checksum), and of the staging path read_blocks,
 on one fresh store, with the page cache dropped before each read phase (needs root).
 
-    python tools/engine_cpu.py --dir /var/tmp/kvp --block-size 2M --size 1G
+    python tools/engine_cpu.py --dir /var/tmp/kvp --block-size 2M --size 1G [--register]
 
 What issue 6's CPU analysis in docs/benchmarks.md quotes. Not a test: numbers only.
 """
@@ -38,6 +38,8 @@ def main():
     ap.add_argument("--block-size", default="2M")
     ap.add_argument("--size", default="1G")
     ap.add_argument("--prefix", type=int, default=1000, help="blocks per request (load call)")
+    ap.add_argument("--register", action="store_true",
+                    help="register the source/destination rows with the ring (fixed buffers)")
     args = ap.parse_args()
     bb, size = parse_size(args.block_size), parse_size(args.size)
     n = size // bb
@@ -52,6 +54,8 @@ def main():
         _m, src = _rows(n, bb, 7)
         _m2, dst = _rows(n, bb, 1)
         keys = [b"k%031d" % i for i in range(n)]
+        if args.register:
+            print("rows registered with the ring:", rio.register_memory(src, dst))
         p = max(1, min(args.prefix, n // 4))
 
         def report(name, dt, c0, c1):

@@ -21,6 +21,10 @@ cdef struct SlotWork:
     int verify           # reads: 0 none, 1 header, 2 header + payload checksum
     int status           # reads: SlotCheck code (0 = good) once the read completed
     int stamped          # writes: the header is stamped (once, before the first submission)
+    int parts_left       # ops of this slot not finished yet (2 when header and payload are
+                         # separate fixed-buffer ops, else 1)
+    int64_t error        # first -errno among its ops, or 0
+    int64_t moved        # bytes its ops moved
 
 cdef struct Op:
     int opcode
@@ -70,6 +74,8 @@ cdef class Ring:
     cdef int _fill(self, Batch *b) noexcept nogil
     cdef Py_ssize_t _reap(self, Batch *b) noexcept nogil
     cdef void _requeue(self, Batch *b, Py_ssize_t i) noexcept nogil
+    cdef void _finish(self, Batch *b, Op *op) noexcept nogil
+    cdef int _buffer_index(self, uintptr_t addr, uint64_t length) noexcept
     cdef _check_op(self, int opcode, int fd, uint64_t offset, uintptr_t addr, uint64_t length)
     cdef _inject(self, Batch *b, int opcode, fds, offsets, lengths)
     cdef int _init_op(self, Op *op, int opcode, int fd, uint64_t offset) except -1

@@ -52,6 +52,7 @@ cnp.import_array()
 
 log = logging.getLogger("kvstore.ring")
 ALIGN = 4096
+REGISTER_PIECE = 1 << 30   # the kernel registers at most 1 GiB per buffer
 OPNAMES = ("read", "write", "fdatasync")
 _registration_warned = False
 
@@ -159,7 +160,13 @@ cdef class Ring:
             raise KVStoreError("operation on a closed Ring")
 
     def register_buffers(self, buffers):
-        """Make `buffers` (HostBuffers) the ring's I/O memory; register them if allowed.
+        """Make `buffers` the ring's I/O memory; register them with the kernel if allowed.
+
+        Staging is a HostBuffer; other memory (a caller's rows that `Ring.slot_io` moves
+        slots into or out of) may be any writable, C-contiguous buffer (numpy array, mmap)
+        that the caller keeps alive and unchanged in place while registered. Each buffer
+        is registered in pieces of at most 1 GiB (the kernel's limit per buffer). Replaces
+        the previous set: call it while no I/O is in flight.
 
         Returns True when the kernel registration succeeded (fixed-buffer I/O), False when
         it was refused and plain buffers are used instead (logged once per process).
@@ -167,30 +174,46 @@ cdef class Ring:
         global _registration_warned
         self._check_open()
         bufs = list(buffers)
-        if len(bufs) > MAX_BUFFERS:
-            raise ValueError(f"at most {MAX_BUFFERS} staging buffers per ring, got {len(bufs)}")
+        regions = []     # (address, bytes, memoryview of that piece)
+        cdef HostBuffer hb
+        cdef uintptr_t start
         for b in bufs:
-            if not isinstance(b, HostBuffer):
-                raise TypeError(f"Ring buffers must be kvstore.HostBuffer, got {type(b).__name__}")
-            if b.closed:
-                raise KVStoreError("cannot register a closed HostBuffer")
+            if isinstance(b, HostBuffer):
+                hb = b
+                if hb.closed:
+                    raise KVStoreError("cannot register a closed HostBuffer")
+                start = <uintptr_t>hb.ptr
+                mv = memoryview(b).cast("B")
+            else:
+                try:
+                    mv = memoryview(b)
+                except TypeError:
+                    raise TypeError(f"Ring buffers must be kvstore.HostBuffer or writable "
+                                    f"contiguous memory, got {type(b).__name__}") from None
+                if mv.readonly or not mv.c_contiguous or "O" in mv.format:
+                    raise TypeError("Ring buffers must be writable, C-contiguous plain memory")
+                mv = mv.cast("B") if (mv.ndim != 1 or mv.format != "B") else mv
+                start = <uintptr_t>np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0]
+            for off in range(0, mv.nbytes, REGISTER_PIECE):
+                piece = mv[off:off + REGISTER_PIECE]
+                regions.append((start + off, piece.nbytes, piece))
+        if len(regions) > MAX_BUFFERS:
+            raise ValueError(f"at most {MAX_BUFFERS} buffers (1 GiB pieces) per ring, got {len(regions)}")
         if self._bufs_registered:
             io_uring_unregister_buffers(self._ring)
             self._bufs_registered = False
             self._iov = None
         cdef int i
-        cdef HostBuffer hb
-        for i, b in enumerate(bufs):
-            hb = b
-            self._buf_start[i] = <uintptr_t>hb.ptr
-            self._buf_end[i] = <uintptr_t>hb.ptr + hb.nbytes_
-        self._nbufs = len(bufs)
-        self._buffers = bufs
-        if not bufs:
+        for i, (addr, nbytes, _) in enumerate(regions):
+            self._buf_start[i] = <uintptr_t>addr
+            self._buf_end[i] = <uintptr_t>addr + <uintptr_t>nbytes
+        self._nbufs = len(regions)
+        self._buffers = bufs + [r[2] for r in regions]
+        if not regions:
             return False
         try:
-            iov = iovec([memoryview(b) for b in bufs])
-            io_uring_register_buffers(self._ring, iov, len(bufs))
+            iov = iovec([r[2] for r in regions])
+            io_uring_register_buffers(self._ring, iov, len(regions))
         except (OSError, OverflowError, ValueError) as exc:
             if not _registration_warned:
                 _registration_warned = True
@@ -314,23 +337,15 @@ cdef class Ring:
                 self._requeue(b, i)
             elif res < 0:
                 op.result = res
-                op.finished = 1
-                b.completed += 1
+                self._finish(b, op)
             elif op.opcode == OP_FSYNC or <unsigned int>res >= op.remaining:
                 op.done += res
                 op.result = op.done
-                op.finished = 1
-                b.completed += 1
-                w = op.work
-                if w != NULL and op.opcode == OP_READ and w.verify:
-                    # Checked here, while the rest of the batch is still in flight.
-                    w.status = check_slot(w.hdr, w.payload, w.key, w.key_len, w.slot,
-                                          w.generation, w.payload_len, w.verify == 2)
+                self._finish(b, op)
             elif res == 0:
                 # No progress: end of file on a read, or the device refusing a write.
                 op.result = -(ENODATA if op.opcode == OP_READ else EIO)
-                op.finished = 1
-                b.completed += 1
+                self._finish(b, op)
             else:
                 op.done += res
                 op.addr += res
@@ -342,6 +357,25 @@ cdef class Ring:
         if ready:
             __io_uring_cq_advance(r, ready)
         return ready
+
+    cdef void _finish(self, Batch *b, Op *op) noexcept nogil:
+        """An op has its final result: count it, and when it was the last op of a slot,
+        settle the slot (its error or bytes) and check a read right away, while the rest
+        of the batch is still in flight."""
+        cdef SlotWork *w = op.work
+        op.finished = 1
+        b.completed += 1
+        if w == NULL:
+            return
+        if op.result < 0:
+            if w.error == 0:
+                w.error = op.result
+        else:
+            w.moved += op.result
+        w.parts_left -= 1
+        if w.parts_left == 0 and w.error == 0 and op.opcode == OP_READ and w.verify:
+            w.status = check_slot(w.hdr, w.payload, w.key, w.key_len, w.slot,
+                                  w.generation, w.payload_len, w.verify == 2)
 
     cdef void _requeue(self, Batch *b, Py_ssize_t i) noexcept nogil:
         b.queue[(b.qhead + b.qlen) % b.n] = i
@@ -384,14 +418,19 @@ cdef class Ring:
                     break
         return 0
 
-    cdef int _set_buffer(self, Op *op, uintptr_t addr, uint64_t length) except -1:
-        """A one-buffer op: use the registered buffer that holds it, when there is one."""
+    cdef int _buffer_index(self, uintptr_t addr, uint64_t length) noexcept:
+        """Index of the registered buffer holding [addr, addr + length), else -1."""
         cdef int j
         for j in range(self._nbufs):
             if self._buf_start[j] <= addr and addr + length <= self._buf_end[j]:
-                if self._bufs_registered:
-                    op.fixed_buf = j
-                break
+                return j
+        return -1
+
+    cdef int _set_buffer(self, Op *op, uintptr_t addr, uint64_t length) except -1:
+        """A one-buffer op: use the registered buffer that holds it, when there is one."""
+        cdef int j = self._buffer_index(addr, length)
+        if j >= 0 and self._bufs_registered:
+            op.fixed_buf = j
         op.addr = <char *>addr
         op.remaining = <unsigned int>length
         return 0
@@ -486,12 +525,14 @@ cdef class Ring:
           is one (fixed-buffer) transfer and must lie in a HostBuffer given to
           register_buffers.
         - payload_addrs given: payload i at payload_addrs[i] (caller memory, which the
-          caller keeps alive and has validated); each slot is a readv/writev of two
-          iovecs. Headers must be 4096-aligned, payloads a multiple of `payload_align`
-          (4096 for O_DIRECT files; 1 for page-cache files); neither needs registering.
+          caller keeps alive and has validated). Headers must be 4096-aligned, payloads a
+          multiple of `payload_align` (4096 for O_DIRECT files; 1 for page-cache files).
+          When every header and payload lies in buffers registered with the kernel, each
+          slot is two fixed-buffer ops (header, payload; the fault injector sees op 2i and
+          2i+1 for slot i); otherwise one readv/writev of two iovecs.
 
-        Returns (results, status): int64 bytes moved or -errno per op, and int32 SlotCheck
-        codes (0 = good; reads only, meaningful where results[i] >= 0).
+        Returns (results, status): int64 bytes moved or -errno per slot, and int32
+        SlotCheck codes (0 = good; reads only, meaningful where results[i] >= 0).
         """
         self._check_open()
         if opcode not in (OP_READ, OP_WRITE):
@@ -514,50 +555,75 @@ cdef class Ring:
         if io_len == 0 or io_len % ALIGN or payload_len > io_len:
             raise AlignmentError(f"slot_io: payload transfer of {io_len} bytes must be a positive "
                                  f"multiple of {ALIGN} holding the {payload_len}-byte payload")
-        cdef cnp.ndarray[uint32_t, ndim=1] a_len = np.full(n, ALIGN + io_len, dtype=np.uint32)
         cdef cnp.ndarray[int64_t, ndim=1] out = np.zeros(n, dtype=np.int64)
         cdef cnp.ndarray[int32_t, ndim=1] status = np.zeros(n, dtype=np.int32)
         if n == 0:
             return out, status
+        cdef Py_ssize_t i
+        # Caller memory that lies in registered buffers (headers too) moves as two
+        # fixed-buffer ops per slot, header and payload: no page pinning per I/O, which
+        # readv/writev pay (they cannot use registered buffers).
+        cdef bint split = not staged and self._bufs_registered
+        if split:
+            for i in range(n):
+                if (self._buffer_index(<uintptr_t>a_hdr[i], ALIGN) < 0
+                        or self._buffer_index(<uintptr_t>a_pay[i], io_len) < 0):
+                    split = False
+                    break
+        cdef Py_ssize_t per = 2 if split else 1
+        cdef Py_ssize_t nops = n * per
+        if split:
+            a_fd_ops = np.repeat(a_fd, 2)
+            a_off_ops = np.repeat(a_off, 2)
+            a_off_ops[1::2] += np.uint64(ALIGN)
+            a_len_ops = np.tile(np.array([ALIGN, io_len], dtype=np.uint32), n)
+        else:
+            a_fd_ops, a_off_ops = a_fd, a_off
+            a_len_ops = np.full(n, ALIGN + io_len, dtype=np.uint32)
         cdef Batch b
         memset(&b, 0, sizeof(Batch))
-        b.ops = <Op *>PyMem_Malloc(sizeof(Op) * n)
-        b.queue = <Py_ssize_t *>PyMem_Malloc(sizeof(Py_ssize_t) * n)
+        b.ops = <Op *>PyMem_Malloc(sizeof(Op) * nops)
+        b.queue = <Py_ssize_t *>PyMem_Malloc(sizeof(Py_ssize_t) * nops)
         cdef SlotWork *works = <SlotWork *>PyMem_Malloc(sizeof(SlotWork) * n)
         if b.ops == NULL or b.queue == NULL or works == NULL:
             PyMem_Free(b.ops)
             PyMem_Free(b.queue)
             PyMem_Free(works)
             raise MemoryError()
-        cdef Py_ssize_t i
         cdef Op *op
         cdef bytes key
         cdef uintptr_t hdr, pay
         try:
-            memset(b.ops, 0, sizeof(Op) * n)
+            memset(b.ops, 0, sizeof(Op) * nops)
             memset(works, 0, sizeof(SlotWork) * n)
-            b.n = n
+            b.n = nops
             for i in range(n):
                 key = keys[i]
                 if len(key) > 128:
                     raise ValueError(f"key of {len(key)} bytes exceeds the 128-byte header field")
-                op = &b.ops[i]
+                op = &b.ops[i * per]
                 self._init_op(op, opcode, a_fd[i], a_off[i])
                 hdr = <uintptr_t>a_hdr[i]
                 pay = <uintptr_t>a_pay[i]
+                if not staged and check and (hdr % ALIGN or a_off[i] % ALIGN
+                                             or (payload_align > 1 and pay % payload_align)):
+                    from kvstore._hostbuf import check_io_alignment
+                    bad_hdr = hdr % ALIGN or a_off[i] % ALIGN
+                    check_io_alignment(hdr if bad_hdr else pay, ALIGN if bad_hdr else io_len,
+                                       a_off[i] if bad_hdr else a_off[i] + ALIGN, ALIGN,
+                                       f"{OPNAMES[opcode]} of a slot "
+                                       f"{'header' if bad_hdr else 'payload'}")
                 if staged:   # a staging slot: one buffer, registered when the kernel allowed
                     if check:
                         self._check_op(opcode, a_fd[i], a_off[i], hdr, ALIGN + io_len)
                     self._set_buffer(op, hdr, ALIGN + io_len)
-                else:
-                    if check and (hdr % ALIGN or a_off[i] % ALIGN
-                                  or (payload_align > 1 and pay % payload_align)):
-                        from kvstore._hostbuf import check_io_alignment
-                        bad_hdr = hdr % ALIGN or a_off[i] % ALIGN
-                        check_io_alignment(hdr if bad_hdr else pay, ALIGN if bad_hdr else io_len,
-                                           a_off[i] if bad_hdr else a_off[i] + ALIGN, ALIGN,
-                                           f"{OPNAMES[opcode]} of a slot "
-                                           f"{'header' if bad_hdr else 'payload'}")
+                elif split:  # header op, then payload op, both on registered buffers
+                    self._set_buffer(op, hdr, ALIGN)
+                    op.work = &works[i]
+                    op = &b.ops[i * 2 + 1]
+                    self._init_op(op, opcode, a_fd[i], a_off[i] + ALIGN)
+                    self._set_buffer(op, pay, io_len)
+                else:        # one readv/writev of header + payload
                     op.niov = 2
                     op.iov[0].iov_base = <void *>hdr
                     op.iov[0].iov_len = ALIGN
@@ -573,10 +639,11 @@ cdef class Ring:
                 works[i].hdr = <char *>hdr
                 works[i].payload = <char *>pay
                 works[i].verify = verify
+                works[i].parts_left = <int>per
                 op.work = &works[i]
-            self._run_batch(&b, opcode, a_fd, a_off, a_len)
+            self._run_batch(&b, opcode, a_fd_ops, a_off_ops, a_len_ops)
             for i in range(n):
-                out[i] = b.ops[i].result
+                out[i] = works[i].error if works[i].error < 0 else works[i].moved
                 status[i] = works[i].status
         finally:
             if b.inflight > 0:
@@ -615,8 +682,7 @@ cdef class Ring:
                 raise IndexError(f"fault_injector named op {i} of a {OPNAMES[opcode]} batch of {n}")
             if kind == "error":
                 b.ops[i].result = -abs(int(value))
-                b.ops[i].finished = 1
-                b.completed += 1
+                self._finish(b, &b.ops[i])
                 dropped.add(i)
             elif kind == "short":
                 b.ops[i].forced_short = int(value)

@@ -4,14 +4,18 @@ On one directory, with one block size, block count, queue depth and O_DIRECT set
 with the page cache dropped before every read phase, it measures for each system:
 
 - kvstore: the engine with its index work: store = DiskStore.reserve -> RankIO.write_from
-  (headers stamped with XXH3 payload checksums by the ring, one writev per slot straight
+  (headers stamped with XXH3 payload checksums by the ring, each slot written straight
   from the source rows, batched fdatasync) -> commit; load = longest_prefix -> pin ->
-  RankIO.read_into (one readv per slot into the destination rows, every slot checked by
-  the ring as it completes) -> unpin -> touch. Loads queued together share one ring pass,
-  as the connector's I/O thread batches them. The source/destination rows play the pinned
+  RankIO.read_into (each slot read straight into the destination rows and checked by the
+  ring as it completes) -> unpin -> touch. Loads queued together share one ring pass, as
+  the connector's I/O thread batches them. The source/destination rows play the pinned
   host memory both kvstore and the fs tier DMA to and from the GPU (the fs tier's primary
-  tier): neither system copies through extra host memory. The index (LMDB) is driven
-  from one owner thread, as the scheduler would.
+  tier): neither system copies through extra host memory. kvstore registers the rows with
+  its rings (RankIO.register_memory), as the connector registers its staging, so slots
+  move as fixed-buffer I/O. Its slot files are written once before timing (a store in
+  service has been written; a fresh one pays ext4's unwritten-extent conversion on first
+  writes, which is not what serving looks like). The index (LMDB) is driven from one
+  owner thread, as the scheduler would.
 - vllm_fs: vLLM's own FileSystemTierManager (vllm/v1/kv_offload/tiering/fs/: one file per
   block, a DualQueueThreadPool of 16 read + 16 write threads, the vllm.fs_io_C helper when
   present), driven the way its TieringOffloadingManager drives it: one store job per
@@ -161,8 +165,27 @@ class KVStoreSystem:
                   staging_bytes=ctx.staging_bytes)
         self.rio = RankIO(self.path, 0, **kw)
         self.bg_rio = RankIO(self.path, 0, **kw)  # a second worker stream for background stores
+        # The source/destination rows are kvstore's pinned host memory here, registered
+        # with the ring as the connector registers its staging (fixed-buffer I/O).
+        for r in (self.rio, self.bg_rio):
+            if not r.register_memory(ctx.src, ctx.dst):
+                print("warning: kvstore could not register the bench rows (fixed buffers off)",
+                      file=sys.stderr)
         self.lock = threading.Lock()  # the Index has one owner at a time (the scheduler)
         self.round = 0
+        self._prefill()
+
+    def _prefill(self):
+        """Write every slot file once, untimed, and make it durable (see the module doc)."""
+        from kvstore.engine import slot_file_path
+        zeros = bytes(64 << 20)
+        for i in range(self.rio.geometry.num_files):
+            path = slot_file_path(self.path, 0, i)
+            size = os.path.getsize(path)
+            with open(path, "r+b", buffering=0) as f:
+                for off in range(0, size, len(zeros)):
+                    f.write(zeros[:min(len(zeros), size - off)])
+                os.fsync(f.fileno())
 
     def _src_rows(self, first_block, n):
         """Rows of the source region for blocks first_block.. (wrapping round it)."""
