@@ -50,7 +50,10 @@ cdef struct Batch:
     Py_ssize_t qhead
     Py_ssize_t qlen
     Py_ssize_t inflight
+    Py_ssize_t max_inflight  # ops in flight at most (the queue depth, times the ops per slot)
     Py_ssize_t completed
+    SlotWork **checks        # slot_io reads whose last op completed, not yet checked
+    Py_ssize_t nchecks
 
 cdef class Ring:
     cdef:

@@ -38,7 +38,7 @@ from kvstore.includes.uring cimport (
     __io_uring_sqe_set_data64, __io_uring_sqe_set_flags,
     __io_uring_cq_ready, __io_uring_cq_advance,
     __IOSQE_FIXED_FILE, __IORING_FSYNC_DATASYNC,
-    io_uring, io_uring_queue_init, io_uring_queue_exit, io_uring_submit_and_wait,
+    io_uring, io_uring_queue_init, io_uring_queue_exit, io_uring_submit, io_uring_submit_and_wait,
     io_uring_register_buffers, io_uring_unregister_buffers,
     io_uring_register_files, io_uring_unregister_files, iovec,
 )
@@ -55,6 +55,11 @@ ALIGN = 4096
 REGISTER_PIECE = 1 << 30   # the kernel registers at most 1 GiB per buffer
 OPNAMES = ("read", "write", "fdatasync")
 _registration_warned = False
+
+
+cdef inline void _check(SlotWork *w) noexcept nogil:
+    w.status = check_slot(w.hdr, w.payload, w.key, w.key_len, w.slot, w.generation,
+                          w.payload_len, w.verify == 2)
 
 
 cdef void _advance_iov(Op *op, size_t n) noexcept nogil:
@@ -265,7 +270,7 @@ cdef class Ring:
         cdef unsigned int length, left
         cdef int fd, k, nsub
         cdef SlotWork *w
-        while b.qlen > 0 and b.inflight < self.depth:
+        while b.qlen > 0 and b.inflight < b.max_inflight:
             sqe = __io_uring_get_sqe(&self._ring.ptr)
             if sqe == NULL:
                 break
@@ -374,8 +379,11 @@ cdef class Ring:
             w.moved += op.result
         w.parts_left -= 1
         if w.parts_left == 0 and w.error == 0 and op.opcode == OP_READ and w.verify:
-            w.status = check_slot(w.hdr, w.payload, w.key, w.key_len, w.slot,
-                                  w.generation, w.payload_len, w.verify == 2)
+            if b.checks != NULL:    # checked by the pump once the queue is topped up again
+                b.checks[b.nchecks] = w
+                b.nchecks += 1
+            else:
+                _check(w)
 
     cdef void _requeue(self, Batch *b, Py_ssize_t i) noexcept nogil:
         b.queue[(b.qhead + b.qlen) % b.n] = i
@@ -383,17 +391,24 @@ cdef class Ring:
 
     cdef int _pump_nogil(self, Batch *b) except -1 nogil:
         """The whole submit/reap loop, without the GIL; raises only if the kernel call
-        itself fails (the GIL is taken just to raise)."""
-        while b.completed < b.n:
+        itself fails (the GIL is taken just to raise). A read slot that completed is
+        checked only after the queue has been topped up and handed to the kernel, one
+        slot per turn, so the device never waits on a checksum."""
+        while b.completed < b.n or b.nchecks > 0:
             self._fill(b)
-            io_uring_submit_and_wait(self._ring, 1)
+            if b.nchecks > 0:
+                io_uring_submit(self._ring)
+                b.nchecks -= 1
+                _check(b.checks[b.nchecks])
+            else:
+                io_uring_submit_and_wait(self._ring, 1)
             self._reap(b)
         return 0
 
     cdef int _pump(self, Batch *b) except -1:
         """Drive the batch to completion in one GIL-free section; EINTR/EAGAIN/EBUSY from
         io_uring_enter (a signal, a full completion queue) resume the same batch."""
-        while b.completed < b.n:
+        while b.completed < b.n or b.nchecks > 0:
             try:
                 with nogil:
                     self._pump_nogil(b)
@@ -441,6 +456,8 @@ cdef class Ring:
         for i in range(b.n):
             b.queue[i] = i
         b.qlen = b.n
+        if b.max_inflight == 0:
+            b.max_inflight = self.depth
         if self.fault_injector is not None:
             self._inject(b, opcode, a_fd, a_off, a_len)
         self._pump(b)
@@ -585,10 +602,12 @@ cdef class Ring:
         b.ops = <Op *>PyMem_Malloc(sizeof(Op) * nops)
         b.queue = <Py_ssize_t *>PyMem_Malloc(sizeof(Py_ssize_t) * nops)
         cdef SlotWork *works = <SlotWork *>PyMem_Malloc(sizeof(SlotWork) * n)
-        if b.ops == NULL or b.queue == NULL or works == NULL:
+        b.checks = <SlotWork **>PyMem_Malloc(sizeof(SlotWork *) * n)
+        if b.ops == NULL or b.queue == NULL or works == NULL or b.checks == NULL:
             PyMem_Free(b.ops)
             PyMem_Free(b.queue)
             PyMem_Free(works)
+            PyMem_Free(b.checks)
             raise MemoryError()
         cdef Op *op
         cdef bytes key
@@ -597,6 +616,10 @@ cdef class Ring:
             memset(b.ops, 0, sizeof(Op) * nops)
             memset(works, 0, sizeof(SlotWork) * n)
             b.n = nops
+            # The queue depth counts slots: a split slot's 4 KiB header op rides along with
+            # its payload op (the completion queue holds 2x depth entries, so it cannot
+            # overflow).
+            b.max_inflight = self.depth * per
             for i in range(n):
                 key = keys[i]
                 if len(key) > 128:
@@ -651,6 +674,7 @@ cdef class Ring:
             PyMem_Free(b.ops)
             PyMem_Free(b.queue)
             PyMem_Free(works)
+            PyMem_Free(b.checks)
         return out, status
 
     cdef _check_op(self, int opcode, int fd, uint64_t offset, uintptr_t addr, uint64_t length):

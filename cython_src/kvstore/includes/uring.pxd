@@ -15,7 +15,7 @@ from liburing.lib.uring cimport (
     __IOSQE_FIXED_FILE, __IORING_FSYNC_DATASYNC,
 )
 from liburing.queue cimport (
-    io_uring, io_uring_queue_init, io_uring_queue_exit, io_uring_submit_and_wait,
+    io_uring, io_uring_queue_init, io_uring_queue_exit, io_uring_submit, io_uring_submit_and_wait,
 )
 from liburing.register cimport (
     io_uring_register_buffers, io_uring_unregister_buffers,
