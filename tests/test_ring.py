@@ -223,3 +223,42 @@ def test_fault_injector_naming_a_missing_op_is_refused(tmp_path, fd_leak_check):
     ring.fault_injector = None
     assert (_io(ring, f, hb, 1, [0, 1, 2]) == BS).all()   # the ring is still usable
     ring.close(); f.close(); hb.close()
+
+
+def test_staging_over_1gib_is_registered_in_pieces_and_ops_across_a_seam_still_work(tmp_path, fd_leak_check):
+    """The kernel registers at most 1 GiB per buffer: larger memory is registered in
+    pieces, and an op that straddles two pieces goes unregistered instead of failing."""
+    f = SlotFile(str(tmp_path / "f.kvs"), BS, 8, direct=True, create=True)
+    hb = HostBuffer((1 << 30) + 4 * BS)
+    ring = Ring(8)
+    try:
+        assert ring.register_buffers([hb]) is True and "buffers=2 registered" in repr(ring)
+        a = hb.numpy()
+        seam = (1 << 30) - BS // 2                   # this op crosses the 1 GiB seam
+        spots = [0, seam, (1 << 30) + BS]
+        for k, off in enumerate(spots):
+            a[off:off + BS] = k + 1
+        addrs = hb.address + np.array(spots, dtype=np.uint64)
+        res = ring.submit(1, [f.fd] * 3, np.arange(3, dtype=np.uint64) * BS, addrs, [BS] * 3)
+        assert (res == BS).all()
+        for off in spots:
+            a[off:off + BS] = 0
+        res = ring.submit(0, [f.fd] * 3, np.arange(3, dtype=np.uint64) * BS, addrs, [BS] * 3)
+        assert (res == BS).all()
+        assert all((a[off:off + BS] == k + 1).all() for k, off in enumerate(spots))
+        del a
+    finally:
+        ring.close(); f.close(); hb.close()
+
+
+def test_fault_injector_rejects_faults_that_would_not_test_anything(tmp_path, fd_leak_check):
+    f, hb, ring = _setup(tmp_path)
+    for faults, match in [([(0, "error", errno.EIO), (0, "error", errno.EIO)], "twice"),
+                          ([(0, "error", 0)], "non-zero"),
+                          ([(0, "short", BS)], "must cut")]:
+        ring.fault_injector = lambda op, fds, offs, lens, faults=faults: faults
+        with pytest.raises(ValueError, match=match):
+            _io(ring, f, hb, 1, [0, 1])
+    ring.fault_injector = None
+    assert (_io(ring, f, hb, 1, [0, 1]) == BS).all()
+    ring.close(); f.close(); hb.close()

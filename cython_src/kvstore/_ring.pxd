@@ -63,9 +63,12 @@ cdef class Ring:
         list _buffers            # HostBuffers usable as I/O memory (registered or not)
         object _iov              # liburing iovec keeping registered views alive
         bint _bufs_registered
-        uintptr_t _buf_start[64]
+        uintptr_t _buf_start[64]     # registered pieces (<= 1 GiB each): fixed-buffer indices
         uintptr_t _buf_end[64]
         int _nbufs
+        uintptr_t _mem_start[64]     # the whole buffers given to register_buffers
+        uintptr_t _mem_end[64]
+        int _nmem
         int *_files
         int _nfiles
         bint _files_registered
@@ -79,6 +82,7 @@ cdef class Ring:
     cdef void _requeue(self, Batch *b, Py_ssize_t i) noexcept nogil
     cdef void _finish(self, Batch *b, Op *op) noexcept nogil
     cdef int _buffer_index(self, uintptr_t addr, uint64_t length) noexcept
+    cdef bint _in_memory(self, uintptr_t addr, uint64_t length) noexcept
     cdef _check_op(self, int opcode, int fd, uint64_t offset, uintptr_t addr, uint64_t length)
     cdef _inject(self, Batch *b, int opcode, fds, offsets, lengths)
     cdef int _init_op(self, Op *op, int opcode, int fd, uint64_t offset) except -1

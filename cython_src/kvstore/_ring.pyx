@@ -128,6 +128,7 @@ cdef class Ring:
         self._iov = None
         self._buffers = []
         self._nbufs = 0
+        self._nmem = 0
         self._nfiles = 0
         if self._files != NULL:
             PyMem_Free(self._files)
@@ -179,7 +180,10 @@ cdef class Ring:
         global _registration_warned
         self._check_open()
         bufs = list(buffers)
+        if len(bufs) > MAX_BUFFERS:
+            raise ValueError(f"at most {MAX_BUFFERS} buffers per ring, got {len(bufs)}")
         regions = []     # (address, bytes, memoryview of that piece)
+        whole = []       # (address, bytes) of each buffer
         cdef HostBuffer hb
         cdef uintptr_t start
         for b in bufs:
@@ -199,23 +203,32 @@ cdef class Ring:
                     raise TypeError("Ring buffers must be writable, C-contiguous plain memory")
                 mv = mv.cast("B") if (mv.ndim != 1 or mv.format != "B") else mv
                 start = <uintptr_t>np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0]
+            whole.append((start, mv.nbytes, mv))
             for off in range(0, mv.nbytes, REGISTER_PIECE):
                 piece = mv[off:off + REGISTER_PIECE]
                 regions.append((start + off, piece.nbytes, piece))
-        if len(regions) > MAX_BUFFERS:
-            raise ValueError(f"at most {MAX_BUFFERS} buffers (1 GiB pieces) per ring, got {len(regions)}")
         if self._bufs_registered:
             io_uring_unregister_buffers(self._ring)
             self._bufs_registered = False
             self._iov = None
         cdef int i
+        # Bounds checks use the whole buffers; fixed-buffer indices the pieces (an op that
+        # straddles two pieces simply goes unregistered).
+        for i, (addr, nbytes, _) in enumerate(whole):
+            self._mem_start[i] = <uintptr_t>addr
+            self._mem_end[i] = <uintptr_t>addr + <uintptr_t>nbytes
+        self._nmem = len(whole)
+        self._buffers = bufs + [w[2] for w in whole] + [r[2] for r in regions]
+        self._nbufs = 0
+        if not regions:
+            return False
+        if len(regions) > MAX_BUFFERS:
+            log.warning("io_uring buffer registration skipped: %d pieces of at most 1 GiB "
+                        "exceed the ring's %d; using unregistered buffers", len(regions), MAX_BUFFERS)
+            return False
         for i, (addr, nbytes, _) in enumerate(regions):
             self._buf_start[i] = <uintptr_t>addr
             self._buf_end[i] = <uintptr_t>addr + <uintptr_t>nbytes
-        self._nbufs = len(regions)
-        self._buffers = bufs + [r[2] for r in regions]
-        if not regions:
-            return False
         try:
             iov = iovec([r[2] for r in regions])
             io_uring_register_buffers(self._ring, iov, len(regions))
@@ -225,6 +238,7 @@ cdef class Ring:
                 log.warning("io_uring buffer registration refused (%s); using unregistered "
                             "buffers (raise RLIMIT_MEMLOCK, `ulimit -l`, for fixed buffers)", exc)
             return False
+        self._nbufs = len(regions)
         self._iov = iov
         self._bufs_registered = True
         return True
@@ -441,6 +455,14 @@ cdef class Ring:
                 return j
         return -1
 
+    cdef bint _in_memory(self, uintptr_t addr, uint64_t length) noexcept:
+        """[addr, addr + length) lies inside one buffer given to register_buffers."""
+        cdef int j
+        for j in range(self._nmem):
+            if self._mem_start[j] <= addr and addr + length <= self._mem_end[j]:
+                return True
+        return False
+
     cdef int _set_buffer(self, Op *op, uintptr_t addr, uint64_t length) except -1:
         """A one-buffer op: use the registered buffer that holds it, when there is one."""
         cdef int j = self._buffer_index(addr, length)
@@ -583,8 +605,8 @@ cdef class Ring:
         cdef bint split = not staged and self._bufs_registered
         if split:
             for i in range(n):
-                if (self._buffer_index(<uintptr_t>a_hdr[i], ALIGN) < 0
-                        or self._buffer_index(<uintptr_t>a_pay[i], io_len) < 0):
+                if (not self._in_memory(<uintptr_t>a_hdr[i], ALIGN)
+                        or not self._in_memory(<uintptr_t>a_pay[i], io_len)):
                     split = False
                     break
         cdef Py_ssize_t per = 2 if split else 1
@@ -684,10 +706,8 @@ cdef class Ring:
             check_io_alignment(addr, length, offset, ALIGN, what)
         if length > 0x7ffff000:
             raise AlignmentError(f"{what} refused: length {length} exceeds one I/O's limit")
-        cdef int j
-        for j in range(self._nbufs):
-            if self._buf_start[j] <= addr and addr + length <= self._buf_end[j]:
-                return
+        if self._in_memory(addr, length):
+            return
         raise AlignmentError(
             f"{what} refused before submission: buffer range [0x{addr:x}, +{length}) at "
             f"file offset {offset} is not inside any staging HostBuffer registered with "
@@ -704,6 +724,13 @@ cdef class Ring:
         for i, kind, value in faults:
             if not 0 <= i < n:
                 raise IndexError(f"fault_injector named op {i} of a {OPNAMES[opcode]} batch of {n}")
+            if i in dropped:
+                raise ValueError(f"fault_injector failed op {i} twice")
+            if kind == "error" and int(value) == 0:
+                raise ValueError("fault_injector error values must be a non-zero errno")
+            if kind == "short" and not 0 < int(value) < b.ops[i].remaining:
+                raise ValueError(f"fault_injector short of {value} bytes for op {i} of "
+                                 f"{b.ops[i].remaining}: it must cut the transfer")
             if kind == "error":
                 b.ops[i].result = -abs(int(value))
                 self._finish(b, &b.ops[i])

@@ -43,6 +43,14 @@ class StagingSlots:
                 return None
             return [self._free.pop() for _ in range(n)]
 
+    def take_up_to(self, n: int, timeout: float = 0.0) -> list[int]:
+        """Between 1 and n slots, waiting up to `timeout` for at least one; [] if none."""
+        with self._cv:
+            if timeout:
+                self._cv.wait_for(lambda: len(self._free) >= 1, timeout)
+            k = min(n, len(self._free))
+            return [self._free.pop() for _ in range(k)]
+
     def give(self, slots) -> None:
         with self._cv:
             self._free.extend(slots)
@@ -59,7 +67,8 @@ class _LoadState:
     started: float
     done: bool = False
     cancelled: bool = False
-    failed_idx: set = field(default_factory=set)
+    failed_idx: set = field(default_factory=set)   # blocks vLLM recomputes
+    bad_idx: set = field(default_factory=set)      # of those, blocks whose entry is dropped
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -98,7 +107,7 @@ class KVStoreWorker:
         self._meta: KVStoreMetadata | None = None
         self._started_jobs: set[int] = set()
         self._closed = False
-        self._busy = False              # the I/O thread is inside a job (even a timed-out one)
+        self._outstanding = 0           # jobs queued or running (a timed-out load included)
         self.load_busy_s = 0.0          # I/O thread time spent on loads (for throughput)
         self.loaded_bytes_total = 0
         self._thread = threading.Thread(target=self._run, name=f"kvstore-io-rank{rank}", daemon=True)
@@ -160,6 +169,8 @@ class KVStoreWorker:
         with self._lock:
             self._seq += 1
             seq = self._seq
+            if item is not None:
+                self._outstanding += 1
         self._jobs.put((priority, seq, item))
 
     # -- the I/O thread --------------------------------------------------------------
@@ -171,16 +182,19 @@ class KVStoreWorker:
             item = entry[2]
             if item is None:
                 return
-            self._busy = True
+            jobs = 1
             try:
                 if item[0] == "store":
                     self._do_store(*item[1:])
                 else:
-                    self._do_load(self._more_loads([item[1]]))
+                    states = self._more_loads([item[1]])
+                    jobs = len(states)
+                    self._do_load(states)
             except Exception as exc:  # a bug must not kill the I/O thread silently
                 log.exception("kvstore rank %d: I/O job failed: %s", self.rank, exc)
             finally:
-                self._busy = False
+                with self._lock:
+                    self._outstanding -= jobs
 
     def _more_loads(self, states: list) -> list:
         """Every other load already queued joins this pass: one ring batch keeps the queue
@@ -235,20 +249,25 @@ class KVStoreWorker:
             for i, (k, s, g) in enumerate(zip(job.keys, job.slots, job.generations)):
                 refs.append(SlotRef(k, s, g))
                 owner.append((st, i))
-        failed: dict[int, set] = {id(st): set() for st in states}
+        failed: dict[int, set] = {id(st): set() for st in states}   # recompute these
+        bad: dict[int, set] = {id(st): set() for st in states}      # and drop these entries
         left = {id(st): len(st.job.keys) for st in states}
         for st in states:
             if not st.job.keys:
-                self._finish_load(st, failed[id(st)])
+                self._finish_load(st, failed[id(st)], bad[id(st)])
         # Two staging areas when the load spans several chunks: the ring reads the next
         # chunk while this thread scatters the previous one into the KV cache.
+        # Areas take what is free (stores may hold most of staging): a smaller area only
+        # means more, smaller chunks, never a load waiting for slots it does not need.
         step = max(1, min(len(refs), self.slots.total // 4 or 1))
         areas = []
-        for _ in range(2 if len(refs) > step else 1):
-            area = self.slots.take(step, timeout=self.cfg.load_timeout_s if not areas else 0)
-            if area is None:
-                break
-            areas.append(area)
+        first = self.slots.take_up_to(step, timeout=self.cfg.load_timeout_s)
+        if first:
+            areas.append(first)
+            if len(refs) > len(first):
+                second = self.slots.take_up_to(len(first))
+                if second:
+                    areas.append(second)
 
         def consume(start, stop, stage, errors):
             groups: dict[int, tuple] = {}
@@ -258,6 +277,7 @@ class KVStoreWorker:
                 g[3][0] += 1
                 if e is not None:
                     failed[id(st)].add(i)
+                    bad[id(st)].add(i)       # this slot's bytes are unreadable or wrong
                     log.warning("kvstore rank %d: load of block %d of request %s failed: %s; "
                                 "it will be recomputed", self.rank, i, st.job.req_id, e)
                 else:
@@ -269,8 +289,10 @@ class KVStoreWorker:
                         KVTransfer.wait(self.transfer.scatter(stage_ids, block_ids))
                 left[key] -= count[0]
                 if left[key] == 0:
-                    self._finish_load(st, failed[key])
+                    self._finish_load(st, failed[key], bad[key])
 
+        # No staging, or the pass itself failed (not one slot's bytes): vLLM recomputes
+        # what was not delivered, and the store keeps its entries (they may be fine).
         if not areas:
             for st in states:
                 failed[id(st)].update(range(len(st.job.keys)))
@@ -281,21 +303,22 @@ class KVStoreWorker:
                 for st in states:
                     if left[id(st)]:
                         failed[id(st)].update(range(len(st.job.keys)))
-                log.warning("kvstore rank %d: load of %d request(s) failed: %s", self.rank,
-                            len(states), exc)
+                log.warning("kvstore rank %d: load of %d request(s) failed: %s; recomputing "
+                            "them", self.rank, len(states), exc)
             finally:
                 for area in areas:
                     self.slots.give(area)
         for st in states:
             if left[id(st)]:     # not reported from consume: no staging, or the read raised
                 left[id(st)] = 0
-                self._finish_load(st, failed[id(st)])
+                self._finish_load(st, failed[id(st)], bad[id(st)])
 
-    def _finish_load(self, st: _LoadState, failed: set) -> None:
+    def _finish_load(self, st: _LoadState, failed: set, bad: set) -> None:
         with st.lock:
             if st.cancelled:
                 return
             st.failed_idx = failed
+            st.bad_idx = bad
             st.done = True
         n = len(st.job.keys)
         self.loaded_bytes_total += (n - len(failed)) * self.io.payload_len
@@ -324,7 +347,7 @@ class KVStoreWorker:
                 self._finished_loads.add(req_id)
                 for i in sorted(st.failed_idx):
                     self._bad_block_ids.add(st.job.block_ids[i])
-                    if not st.cancelled:
+                    if not st.cancelled and i in st.bad_idx:
                         self._bad_keys.append(st.job.keys[i])
 
     def get_finished(self, finished_req_ids) -> tuple[set[str] | None, set[str] | None]:
@@ -356,8 +379,7 @@ class KVStoreWorker:
     def pending(self) -> int:
         """Jobs queued or running on the I/O thread (for tests and shutdown)."""
         with self._lock:
-            return (self._jobs.qsize() + int(self._busy)
-                    + sum(1 for s in self._loads.values() if not s.done))
+            return self._outstanding + sum(1 for s in self._loads.values() if not s.done)
 
     def shutdown(self) -> None:
         if self._closed:
