@@ -53,6 +53,7 @@ cnp.import_array()
 log = logging.getLogger("kvstore.ring")
 ALIGN = 4096
 REGISTER_PIECE = 1 << 30   # the kernel registers at most 1 GiB per buffer
+cdef uint64_t EARLY_SUBMIT_BYTES = 1 << 20   # checksum work that is worth a submit first
 OPNAMES = ("read", "write", "fdatasync")
 _registration_warned = False
 
@@ -277,12 +278,14 @@ cdef class Ring:
         self._fd_names[fd] = name
 
     cdef int _fill(self, Batch *b) noexcept nogil:
-        """Move queued ops into SQEs while the ring has room and depth allows."""
+        """Move queued ops into SQEs while the ring has room and depth allows; returns how
+        many it prepared."""
         cdef __io_uring_sqe *sqe
         cdef Op *op
         cdef Py_ssize_t i
         cdef unsigned int length, left
         cdef int fd, k, nsub
+        cdef int filled = 0
         cdef SlotWork *w
         while b.qlen > 0 and b.inflight < b.max_inflight:
             sqe = __io_uring_get_sqe(&self._ring.ptr)
@@ -332,7 +335,8 @@ cdef class Ring:
                 __io_uring_sqe_set_flags(sqe, __IOSQE_FIXED_FILE)
             __io_uring_sqe_set_data64(sqe, <uint64_t>i)
             b.inflight += 1
-        return 0
+            filled += 1
+        return filled
 
     cdef Py_ssize_t _reap(self, Batch *b) noexcept nogil:
         """Consume every ready CQE; requeue short transfers and transient errors."""
@@ -405,15 +409,23 @@ cdef class Ring:
 
     cdef int _pump_nogil(self, Batch *b) except -1 nogil:
         """The whole submit/reap loop, without the GIL; raises only if the kernel call
-        itself fails (the GIL is taken just to raise). A read slot that completed is
-        checked only after the queue has been topped up and handed to the kernel, one
-        slot per turn, so the device never waits on a checksum."""
+        itself fails (the GIL is taken just to raise). Read slots that completed are
+        checked only after the queue has been topped up and handed to the kernel, so the
+        device does not wait on the checksums."""
+        cdef int filled
         while b.completed < b.n or b.nchecks > 0:
-            self._fill(b)
+            filled = self._fill(b)
             if b.nchecks > 0:
-                io_uring_submit(self._ring)
-                b.nchecks -= 1
-                _check(b.checks[b.nchecks])
+                # Checksums worth more than a syscall (>= 1 MiB pending): hand the refills
+                # to the kernel first, so the device is not short of work meanwhile. One
+                # submit per batch of checks, never per slot: liburing's entry points may
+                # take the GIL to check for errors, and another thread may hold it.
+                if (filled and b.checks[0].verify == 2
+                        and <uint64_t>b.nchecks * b.checks[0].payload_len >= EARLY_SUBMIT_BYTES):
+                    io_uring_submit(self._ring)
+                while b.nchecks > 0:
+                    b.nchecks -= 1
+                    _check(b.checks[b.nchecks])
             else:
                 io_uring_submit_and_wait(self._ring, 1)
             self._reap(b)
