@@ -5,7 +5,7 @@ cross-module cimports resolve); generated C goes to build/cython and is never co
 installed. Nothing is linked: liburing's non-inline functions are reached through the
 `liburing` binding's Cython capsules, its static-inline helpers compile in from its header.
 The slot codec compiles xxHash in from its header (Debian `libxxhash-dev`; an AVX2 build of
-XXH3 in cython_src/kvstore/csrc/ is picked at run time) and links zlib for CRC-32
+XXH3 in csrc/, hand-written C, is picked at run time) and links zlib for CRC-32
 (`zlib1g-dev`); `make` installs both.
 """
 import os
@@ -35,8 +35,8 @@ def extensions():
         Extension(
             f"kvstore.{name}",
             [os.path.join("cython_src", "kvstore", f"{name}.pyx")]
-            + ([os.path.join("cython_src", "kvstore", "csrc", "kvstore_xxh3_avx2.c")] if name == "_slotfile" else []),
-            include_dirs=include_dirs + [os.path.join("cython_src", "kvstore", "csrc")],
+            + ([os.path.join("csrc", "kvstore_xxh3_avx2.c")] if name == "_slotfile" else []),
+            include_dirs=include_dirs + ["csrc"],
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
             libraries=["z"] if name == "_slotfile" else [],
             extra_compile_args=["-O2", "-Wno-unused-function", "-Wno-unreachable-code"],
