@@ -59,6 +59,17 @@ def _corrupt(code: int, ref, recheck) -> CorruptSlot:
                        key=ref.key, slot=ref.slot)
 
 
+def _host_array(x):
+    """A CPU torch tensor as the numpy array sharing its memory; anything else unchanged.
+    Device memory is refused: the ring can only move host memory."""
+    if type(x).__module__.startswith("torch") and hasattr(x, "data_ptr"):
+        if x.device.type != "cpu":
+            raise TypeError(f"payloads must be host memory, not a {x.device.type} tensor: copy "
+                            "through pinned host memory (the connector uses staging for this)")
+        return x.detach().numpy()
+    return x
+
+
 def _settle(fut) -> None:
     """Wait for a ring future whatever its outcome (its error is the caller's to report)."""
     try:
@@ -572,6 +583,17 @@ class RankIO:
         `unregister_memory()` or close. Returns False (and keeps plain I/O) when the
         kernel refuses the registration."""
         self._check_open()
+        buffers = [_host_array(b) for b in buffers]
+        for b in buffers:
+            try:
+                readonly = memoryview(b).readonly
+            except TypeError:
+                raise TypeError(f"register_memory takes host memory (numpy arrays, mmap, CPU "
+                                f"tensors), not {type(b).__name__}") from None
+            if readonly:
+                raise TypeError("register_memory needs writable memory (the kernel pins it "
+                                "for both directions); pass read-only sources to write_from "
+                                "unregistered")
         ok = self.ring.register_buffers([self.staging, self._header_pool(), *buffers])
         if not ok:
             self.ring.register_buffers([self.staging])
@@ -588,20 +610,25 @@ class RankIO:
         `payloads` is a 2-D array (one row per block) or a sequence of buffers."""
         io_len = self.slot_size - HEADER_SIZE
         direct = self._direct
-        if isinstance(payloads, np.ndarray) and payloads.ndim == 2:
+        payloads = _host_array(payloads)
+        if isinstance(payloads, np.ndarray) and payloads.ndim != 2:
+            raise ValueError(f"payloads must be a 2-D array with one row per block, or a sequence "
+                             f"of per-block buffers; got a {payloads.ndim}-D array of shape "
+                             f"{payloads.shape}")
+        if isinstance(payloads, np.ndarray):
             arr = payloads
             if arr.shape[0] != n:
                 raise ValueError(f"{arr.shape[0]} payload rows for {n} blocks")
             if arr.dtype.hasobject:
                 raise TypeError("payload memory must hold plain numbers, not Python objects")
             row = arr.shape[1] * arr.itemsize
-            if n > 1 and arr.strides[0] < max(row, io_len):
-                raise AlignmentError(f"payload rows overlap or run backwards (row stride "
-                                     f"{arr.strides[0]} for {io_len}-byte transfers)")
             if arr.strides[1] != arr.itemsize or row < io_len:
                 raise AlignmentError(
                     f"payload rows must be contiguous and hold {io_len} bytes (the {self.payload_len}"
                     f"-byte payload rounded up to 4096); got rows of {row} bytes")
+            if n > 1 and arr.strides[0] < max(row, io_len):
+                raise AlignmentError(f"payload rows overlap or run backwards (row stride "
+                                     f"{arr.strides[0]} for {io_len}-byte transfers)")
             if writable and not arr.flags.writeable:
                 raise ValueError("payload array is read-only; reads need writable memory")
             base = arr.__array_interface__["data"][0]
@@ -612,7 +639,10 @@ class RankIO:
                     "which O_DIRECT needs: allocate them with kvstore.HostBuffer (or mmap), or "
                     "open the store with io_mode='page_cache'")
             return addrs, arr
-        bufs = list(payloads)
+        if payloads is None or isinstance(payloads, (bytes, bytearray, memoryview)):
+            raise ValueError("payloads must be a 2-D array with one row per block, or a sequence "
+                             f"of per-block buffers; got {type(payloads).__name__}")
+        bufs = [_host_array(b) for b in payloads]
         if len(bufs) != n:
             raise ValueError(f"{len(bufs)} payload buffers for {n} blocks")
         views = []

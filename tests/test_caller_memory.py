@@ -256,3 +256,27 @@ def test_registered_caller_memory_moves_as_fixed_buffer_ops(rig):
     rio.ring.fault_injector = None
     assert seen == [("read", 3)]
     del b
+
+
+def test_careless_payload_arguments_get_clear_errors_and_cpu_tensors_work(rig):
+    """What a user might pass: flat arrays, None, torch tensors, read-only memory."""
+    import torch
+    st, rio = rig
+    m, a = _rows(2)
+    refs, _ = st.reserve([b"t0", b"t1"])
+    for bad in (a.reshape(-1), a.reshape(2, 2, BB // 2), None, bytes(2 * BB)):
+        with pytest.raises(ValueError, match="2-D array with one row per block"):
+            rio.write_from(refs, bad)
+    # CPU tensors share memory with numpy: written from a tensor, read into tensors.
+    assert rio.write_from(refs, torch.from_numpy(a)) == [None, None]
+    st.commit(refs)
+    m2, b = _rows(2, seed=9)
+    assert rio.read_into(refs, [torch.from_numpy(r) for r in b]) == [None, None]
+    assert np.array_equal(a, b)
+    with pytest.raises(TypeError, match="needs writable memory"):
+        rio.register_memory(np.frombuffer(bytes(BB), np.uint8))
+    with pytest.raises(TypeError, match="takes host memory"):
+        rio.register_memory(None)
+    assert rio.register_memory(torch.from_numpy(b))
+    rio.unregister_memory()
+    del b
