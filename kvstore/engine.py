@@ -48,17 +48,6 @@ _VERIFY_CODE = {"header": 1, "checksum": 2}   # Ring.slot_io's verify levels
 OP_READ, OP_WRITE = 0, 1
 
 
-def _corrupt(code: int, ref, recheck) -> CorruptSlot:
-    """The CorruptSlot for a slot the ring's C checker refused (SlotCheck `code`):
-    `recheck()` decodes the same bytes in Python and raises it with the full message."""
-    try:
-        recheck()
-    except CorruptSlot as exc:
-        return exc
-    return CorruptSlot(f"slot {ref.slot}: refused by the slot checker (code {int(code)})",
-                       key=ref.key, slot=ref.slot)
-
-
 def _host_array(x):
     """A CPU torch tensor as the numpy array sharing its memory; anything else unchanged.
     Device memory is refused: the ring can only move host memory."""
@@ -337,10 +326,11 @@ class RankIO:
         return self._slot_io(opcode, refs, hdrs, None, verify)
 
     def _slot_io(self, opcode, refs, hdr_addrs, payload_addrs, verify: int):
-        fds, offs = self._locate([r.slot for r in refs])
+        slots = [r.slot for r in refs]
+        fds, offs = self._locate(slots)
         res, status = self.ring.slot_io(
             opcode, fds, offs, hdr_addrs, payload_addrs, self.slot_size - HEADER_SIZE,
-            [r.key for r in refs], [r.slot for r in refs], [r.generation for r in refs],
+            [r.key for r in refs], slots, [r.generation for r in refs],
             self.payload_len, verify=verify, payload_align=HEADER_SIZE if self._direct else 1)
         short = (res >= 0) & (res != self.slot_size)
         if short.any():
@@ -552,17 +542,30 @@ class RankIO:
         return errors
 
     def _verify(self, refs, stage_slots, res, status, fds, offs, check_payload) -> list[Exception | None]:
-        """Errors of a checked read batch: the ring's per-slot codes, and for a bad slot
-        the CorruptSlot that decoding the same staging bytes in Python raises."""
+        """Errors of a checked read batch into staging slots."""
+        def parts(i):
+            img = self.slot_view(stage_slots[i])
+            return img[:HEADER_SIZE], img[HEADER_SIZE:]
+        return self._read_errors(refs, res, status, fds, offs, parts, check_payload)
+
+    def _read_errors(self, refs, res, status, fds, offs, parts, check_payload) -> list[Exception | None]:
+        """Per-slot errors of a read batch: None, the OSError of a failed read, or, for a
+        slot the ring's C checker refused (SlotCheck code in `status`), the CorruptSlot
+        that decoding the same bytes in Python raises (`parts(i)`: header, payload views)."""
         out: list[Exception | None] = [None] * len(refs)
         for i in np.flatnonzero((res < 0) | (status != 0)):
             ref = refs[i]
             if res[i] < 0:
                 out[i] = self._error(OP_READ, res[i], fds[i], offs[i], ref)
                 continue
-            out[i] = _corrupt(status[i], ref, lambda: _slotfile.verify_slot(
-                self.slot_view(stage_slots[i]), ref.key, ref.slot, ref.generation,
-                self.payload_len, check_payload))
+            header, payload = parts(i)
+            try:
+                _slotfile.verify_parts(header, payload, ref.key, ref.slot, ref.generation,
+                                       self.payload_len, check_payload)
+                out[i] = CorruptSlot(f"slot {ref.slot}: refused by the slot checker "
+                                     f"(code {int(status[i])})", key=ref.key, slot=ref.slot)
+            except CorruptSlot as exc:
+                out[i] = exc
         return out
 
     # -- slots whose payload lives in caller memory (no staging copy) ----------------
@@ -711,15 +714,11 @@ class RankIO:
         for start, stop, hdrs, pays in self._caller_chunks(refs, payloads, writable=True):
             chunk = refs[start:stop]
             res, status, fds, offs = self._slot_io(OP_READ, chunk, hdrs, pays, _VERIFY_CODE[verify])
-            for i in np.flatnonzero((res < 0) | (status != 0)):
-                ref = chunk[i]
-                if res[i] < 0:
-                    errors[start + i] = self._error(OP_READ, res[i], fds[i], offs[i], ref)
-                    continue
-                hv = self._headers.numpy()[i * HEADER_SIZE:(i + 1) * HEADER_SIZE]
-                pv = _view_at(int(pays[i]), self.payload_len)
-                errors[start + i] = _corrupt(status[i], ref, lambda: _slotfile.verify_parts(
-                    hv, pv, ref.key, ref.slot, ref.generation, self.payload_len, check_payload))
+
+            def parts(i, pays=pays):
+                return (self._headers.numpy()[i * HEADER_SIZE:(i + 1) * HEADER_SIZE],
+                        _view_at(int(pays[i]), self.payload_len))
+            errors[start:stop] = self._read_errors(chunk, res, status, fds, offs, parts, check_payload)
         return errors
 
     def read_headers(self, slots: Sequence[int]) -> list:

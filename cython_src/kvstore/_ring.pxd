@@ -89,3 +89,4 @@ cdef class Ring:
     cdef int _set_buffer(self, Op *op, uintptr_t addr, uint64_t length) except -1
     cdef _run_batch(self, Batch *b, int opcode, a_fd, a_off, a_len)
     cdef _abandon(self, Batch *b)
+    cdef _release(self, Batch *b)

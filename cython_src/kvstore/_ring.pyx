@@ -58,6 +58,30 @@ OPNAMES = ("read", "write", "fdatasync")
 _registration_warned = False
 
 
+cdef int _batch_alloc(Batch *b, Py_ssize_t nops, Py_ssize_t nchecks) except -1:
+    """A zeroed batch of nops ops (and room for nchecks deferred slot checks)."""
+    memset(b, 0, sizeof(Batch))
+    b.ops = <Op *>PyMem_Malloc(sizeof(Op) * nops)
+    b.queue = <Py_ssize_t *>PyMem_Malloc(sizeof(Py_ssize_t) * nops)
+    if nchecks:
+        b.checks = <SlotWork **>PyMem_Malloc(sizeof(SlotWork *) * nchecks)
+    if b.ops == NULL or b.queue == NULL or (nchecks and b.checks == NULL):
+        _batch_free(b)
+        raise MemoryError()
+    memset(b.ops, 0, sizeof(Op) * nops)
+    b.n = nops
+    return 0
+
+
+cdef void _batch_free(Batch *b) noexcept:
+    PyMem_Free(b.ops)
+    PyMem_Free(b.queue)
+    PyMem_Free(b.checks)
+    b.ops = NULL
+    b.queue = NULL
+    b.checks = NULL
+
+
 cdef inline void _check(SlotWork *w) noexcept nogil:
     w.status = check_slot(w.hdr, w.payload, w.key, w.key_len, w.slot, w.generation,
                           w.payload_len, w.verify == 2)
@@ -519,17 +543,9 @@ cdef class Ring:
         if n == 0:
             return out
         cdef Batch b
-        memset(&b, 0, sizeof(Batch))
-        b.ops = <Op *>PyMem_Malloc(sizeof(Op) * n)
-        b.queue = <Py_ssize_t *>PyMem_Malloc(sizeof(Py_ssize_t) * n)
-        if b.ops == NULL or b.queue == NULL:
-            PyMem_Free(b.ops)
-            PyMem_Free(b.queue)
-            raise MemoryError()
+        _batch_alloc(&b, n, 0)
         cdef Py_ssize_t i
         try:
-            memset(b.ops, 0, sizeof(Op) * n)
-            b.n = n
             for i in range(n):
                 self._init_op(&b.ops[i], opcode, a_fd[i], a_off[i])
                 if opcode != OP_FSYNC:
@@ -540,11 +556,14 @@ cdef class Ring:
             for i in range(n):
                 out[i] = b.ops[i].result
         finally:
-            if b.inflight > 0:
-                self._abandon(&b)
-            PyMem_Free(b.ops)
-            PyMem_Free(b.queue)
+            self._release(&b)
         return out
+
+    cdef _release(self, Batch *b):
+        """End of a batch, however it ended: no request may still use its memory."""
+        if b.inflight > 0:
+            self._abandon(b)
+        _batch_free(b)
 
     cdef _abandon(self, Batch *b):
         """An unexpected failure with requests still in flight: wait (bounded) until the
@@ -623,33 +642,27 @@ cdef class Ring:
                     break
         cdef Py_ssize_t per = 2 if split else 1
         cdef Py_ssize_t nops = n * per
-        if split:
-            a_fd_ops = np.repeat(a_fd, 2)
-            a_off_ops = np.repeat(a_off, 2)
-            a_off_ops[1::2] += np.uint64(ALIGN)
-            a_len_ops = np.tile(np.array([ALIGN, io_len], dtype=np.uint32), n)
-        else:
-            a_fd_ops, a_off_ops = a_fd, a_off
-            a_len_ops = np.full(n, ALIGN + io_len, dtype=np.uint32)
+        a_fd_ops = a_off_ops = a_len_ops = None
+        if self.fault_injector is not None:   # the test seam sees the per-op arrays
+            if split:
+                a_fd_ops = np.repeat(a_fd, 2)
+                a_off_ops = np.repeat(a_off, 2)
+                a_off_ops[1::2] += np.uint64(ALIGN)
+                a_len_ops = np.tile(np.array([ALIGN, io_len], dtype=np.uint32), n)
+            else:
+                a_fd_ops, a_off_ops = a_fd, a_off
+                a_len_ops = np.full(n, ALIGN + io_len, dtype=np.uint32)
         cdef Batch b
-        memset(&b, 0, sizeof(Batch))
-        b.ops = <Op *>PyMem_Malloc(sizeof(Op) * nops)
-        b.queue = <Py_ssize_t *>PyMem_Malloc(sizeof(Py_ssize_t) * nops)
+        _batch_alloc(&b, nops, n)
         cdef SlotWork *works = <SlotWork *>PyMem_Malloc(sizeof(SlotWork) * n)
-        b.checks = <SlotWork **>PyMem_Malloc(sizeof(SlotWork *) * n)
-        if b.ops == NULL or b.queue == NULL or works == NULL or b.checks == NULL:
-            PyMem_Free(b.ops)
-            PyMem_Free(b.queue)
-            PyMem_Free(works)
-            PyMem_Free(b.checks)
+        if works == NULL:
+            _batch_free(&b)
             raise MemoryError()
         cdef Op *op
         cdef bytes key
         cdef uintptr_t hdr, pay
         try:
-            memset(b.ops, 0, sizeof(Op) * nops)
             memset(works, 0, sizeof(SlotWork) * n)
-            b.n = nops
             # The queue depth counts slots: a split slot's 4 KiB header op rides along with
             # its payload op (the completion queue holds 2x depth entries, so it cannot
             # overflow).
@@ -703,12 +716,8 @@ cdef class Ring:
                 out[i] = works[i].error if works[i].error < 0 else works[i].moved
                 status[i] = works[i].status
         finally:
-            if b.inflight > 0:
-                self._abandon(&b)
-            PyMem_Free(b.ops)
-            PyMem_Free(b.queue)
+            self._release(&b)
             PyMem_Free(works)
-            PyMem_Free(b.checks)
         return out, status
 
     cdef _check_op(self, int opcode, int fd, uint64_t offset, uintptr_t addr, uint64_t length):
