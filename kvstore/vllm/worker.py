@@ -211,6 +211,24 @@ class KVStoreWorker:
             states.append(item[1])
         return states
 
+    def _run_queued_stores(self) -> None:
+        """Run the store jobs queued now (loads come first in the queue, so what follows
+        the loads in hand are stores); a load or the shutdown mark goes back untouched."""
+        while True:
+            try:
+                entry = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            item = entry[2]
+            if item is None or item[0] != "store":
+                self._jobs.put(entry)
+                return
+            try:
+                self._do_store(*item[1:])
+            finally:
+                with self._lock:
+                    self._outstanding -= 1
+
     def _do_store(self, job: StoreJob, stage: list[int], event, dropped: list[int]) -> None:
         refs = [SlotRef(k, s, g) for k, s, g in zip(job.keys, job.slots, job.generations)]
         refs = refs[:len(stage)]
@@ -261,7 +279,12 @@ class KVStoreWorker:
         # means more, smaller chunks, never a load waiting for slots it does not need.
         step = max(1, min(len(refs), self.slots.total // 4 or 1))
         areas = []
-        first = self.slots.take_up_to(step, timeout=self.cfg.load_timeout_s)
+        first = self.slots.take_up_to(step)
+        if not first:
+            # Every staging slot holds a store waiting behind these loads: write those
+            # out first (they free staging), or the loads would wait for them in vain.
+            self._run_queued_stores()
+            first = self.slots.take_up_to(step, timeout=self.cfg.load_timeout_s)
         if first:
             areas.append(first)
             if len(refs) > len(first):
