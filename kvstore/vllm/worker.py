@@ -196,33 +196,33 @@ class KVStoreWorker:
                 with self._lock:
                     self._outstanding -= jobs
 
+    def _next_queued(self, kind: str):
+        """The job at the head of the queue if it is a `kind` job (taken), else None (the
+        head, a job of another kind or the shutdown mark, keeps its place)."""
+        try:
+            entry = self._jobs.get_nowait()
+        except queue.Empty:
+            return None
+        item = entry[2]
+        if item is None or item[0] != kind:
+            self._jobs.put(entry)   # same (priority, sequence): its place is kept
+            return None
+        return item
+
     def _more_loads(self, states: list) -> list:
         """Every other load already queued joins this pass: one ring batch keeps the queue
         depth full across requests instead of draining it at the end of each one."""
         while len(states) < self.MAX_LOAD_BATCH:
-            try:
-                entry = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            item = entry[2]
-            if item is None or item[0] != "load":
-                self._jobs.put(entry)   # same (priority, sequence): its place is kept
+            item = self._next_queued("load")
+            if item is None:
                 break
             states.append(item[1])
         return states
 
     def _run_queued_stores(self) -> None:
         """Run the store jobs queued now (loads come first in the queue, so what follows
-        the loads in hand are stores); a load or the shutdown mark goes back untouched."""
-        while True:
-            try:
-                entry = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            item = entry[2]
-            if item is None or item[0] != "store":
-                self._jobs.put(entry)
-                return
+        the loads in hand are stores); a load or the shutdown mark stays queued."""
+        while (item := self._next_queued("store")) is not None:
             try:
                 self._do_store(*item[1:])
             finally:
