@@ -200,7 +200,15 @@ def fsck_cmd(store, deep, repair, rebuild_index, as_json, quiet, queue_depth, st
 @click.argument("prompts", required=False, type=click.Path(dir_okay=False, exists=True))
 @click.option("--from-store", "from_store", type=click.Path(file_okay=False), default=None,
               help="Copy blocks from this store (same layout), verifying checksums.")
-@click.option("--model", default=None, help="Compute the KV with vLLM and this model (needs a GPU).")
+@click.option("--model", default=None,
+              help="Compute the KV with vLLM and this local model directory (vLLM's CUDA build on a GPU, "
+                   "or its CPU build: run this command with the engine venv's Python).")
+@click.option("--capacity", default=None,
+              help="Create STORE (when it does not exist) with this capacity, e.g. 500G (default with "
+                   "--from-store: the source's).")
+@click.option("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE",
+              help="With --model: a vLLM engine argument (repeatable), e.g. block_size=32, dtype=float32; "
+                   "VALUE is read as JSON when it parses, else as a string.")
 @click.option("--all", "all_blocks", is_flag=True,
               help="With --from-store: copy every block of the source, hottest first (no PROMPTS).")
 @click.option("--tokenizer", default=None,
@@ -218,7 +226,7 @@ def fsck_cmd(store, deep, repair, rebuild_index, as_json, quiet, queue_depth, st
               help="With --model: JSON merged into the connector's kv_connector_extra_config.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
-def warmup_cmd(store, prompts, from_store, model, all_blocks, tokenizer, fmt, dry_run,
+def warmup_cmd(store, prompts, from_store, model, capacity, engine_arg, all_blocks, tokenizer, fmt, dry_run,
                allow_evict_hotter, chunk_blocks, connector_config, as_json, quiet):
     """Fill STORE before traffic arrives, from PROMPTS (or --all of another store).
 
@@ -234,8 +242,18 @@ def warmup_cmd(store, prompts, from_store, model, all_blocks, tokenizer, fmt, dr
                 raise ValueError("not an object")
         except ValueError as exc:
             _fail(KVStoreError(f"--connector-config must be a JSON object ({exc})"))
+    engine_args = {}
+    for item in engine_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            _fail(KVStoreError(f"--engine-arg {item!r}: expected KEY=VALUE, e.g. block_size=32"))
+        try:
+            engine_args[key.replace("-", "_")] = json.loads(value)
+        except ValueError:
+            engine_args[key.replace("-", "_")] = value
     try:
         sm = warmup_mod.warmup(store, prompts, from_store=from_store, model=model, all_blocks=all_blocks,
+                               capacity=capacity, engine_args=engine_args or None,
                                tokenizer=tokenizer, fmt=fmt, dry_run=dry_run,
                                allow_evict_hotter=allow_evict_hotter, chunk_blocks=chunk_blocks,
                                progress=_progress_factory(not quiet), connector_config=extra)

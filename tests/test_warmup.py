@@ -326,53 +326,55 @@ def test_cli_json_and_errors(tmp_path):
     assert r.exit_code == 1 and "--from-store" in r.output
 
 
-def test_model_without_gpu_says_so(tmp_path):
+def test_model_where_this_vllm_cannot_run_says_what_to_do(tmp_path):
+    """This venv's vLLM is the CUDA build; without a GPU, --model names the CPU engine.
+    (tests/e2e warms a store with the real CPU engine.)"""
     import torch
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
     dst = make_dst(tmp_path / "dst")
     pf = write_jsonl(tmp_path / "p.jsonl", prompts(1))
     r = CliRunner().invoke(main, ["warmup", dst, pf, "--model", str(tmp_path)])
+    if torch.cuda.is_available():
+        assert "cannot run here" not in r.output
+        return
     assert r.exit_code == 1
-    assert "needs a GPU" in r.output and "--from-store" in r.output
+    assert "cannot run here" in r.output and "make engine" in r.output and "--from-store" in r.output
 
 
-def test_model_path_with_a_stand_in_engine(tmp_path, monkeypatch):
-    """The --model path up to vLLM: prompt planning, the free-slot rule, the connector
-    config handed to vLLM and the summary. vLLM's LLM is replaced by a stand-in that
-    stores the prompts' blocks as the connector would (the real engine needs a GPU)."""
-    import torch
-    import vllm
+def test_model_dry_run_plans_within_the_free_slots(tmp_path):
+    """--model --dry-run needs no engine: it plans which prompts fit the free slots
+    (the connector would evict otherwise) and writes nothing."""
     plist = prompts(6, seed=17, shared_prefix=32)
     want = all_keys(plist)
     dst = make_dst(tmp_path / "dst", cap=len(want) - 3)
-    made = []
-
-    class StandInLLM:
-        def __init__(self, model, tokenizer, enable_prefix_caching, kv_transfer_config, **kw):
-            made.append(kv_transfer_config)
-            self.path = kv_transfer_config.kv_connector_extra_config["path"]
-
-        def generate(self, reqs, sampling_params, use_tqdm):
-            assert sampling_params.max_tokens == 1
-            with DiskStore(self.path, io=True, staging_bytes=1 << 20) as st:
-                for r in reqs:
-                    ks = prompt_block_keys(r["prompt_token_ids"], BS)
-                    st.put(ks, lambda i, rk, ks=ks: payload_of(ks[i], rk))
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(vllm, "LLM", StandInLLM)
     pf = write_jsonl(tmp_path / "p.jsonl", plist)
-    dry = W.warmup(dst, pf, model="some/model", dry_run=True)
-    assert not made and dry.stopped == "store full" and dry.blocks_no_space > 0
-    sm = W.warmup(dst, pf, model="some/model")
-    (cfg,) = made
-    assert cfg.kv_connector == "KVStoreConnector" and cfg.kv_connector_module_path == "kvstore.vllm"
-    assert cfg.kv_connector_extra_config == {"path": os.path.abspath(dst), "create": False}
-    assert cfg.kv_load_failure_policy == "recompute"
-    assert sm.blocks_written == dry.blocks_written > 0 and sm.evictions == 0
+    dry = W.warmup(dst, pf, model=str(tmp_path), dry_run=True)
+    assert dry.stopped == "store full" and dry.blocks_no_space > 0
+    assert 0 < dry.blocks_written <= len(want) - 3
     with DiskStore(dst, readonly=True) as st:
-        assert st.stats()["evictions"] == 0             # the free-slot rule held
-    check_dst(dst, [k for k in want if k in set(all_keys(plist[:1]))])
-    again = W.warmup(dst, pf, model="some/model")          # complete prompts are skipped
-    assert again.prompts_complete >= 1
+        assert st.stats()["used_slots"] == 0
+    with pytest.raises(ConfigError, match="does not exist yet"):
+        W.warmup(str(tmp_path / "new"), pf, model=str(tmp_path), dry_run=True)
+
+
+def test_all_into_a_new_store_creates_it_with_the_source_layout(tmp_path):
+    """Seeding a new node is one command: NEW is created with the source's layout and
+    (unless --capacity says otherwise) its capacity."""
+    plist = prompts(4, seed=5)
+    src = make_src(tmp_path / "src", plist)
+    new = tmp_path / "new"
+    r = CliRunner().invoke(main, ["warmup", str(new), "--from-store", src, "--all", "--json", "-q"])
+    assert r.exit_code == 0, r.output
+    sm = json.loads(r.output)
+    with DiskStore(src, readonly=True) as s, DiskStore(str(new), readonly=True) as d:
+        assert d.layout == s.layout
+        assert d.stats()["capacity_slots"] == s.stats()["capacity_slots"]
+        assert d.stats()["used_slots"] == s.stats()["used_slots"] == sm["blocks_written"] > 0
+    check_dst(str(new), all_keys(plist))
+    small = tmp_path / "small"
+    r = CliRunner().invoke(main, ["warmup", str(small), "--from-store", src, "--all", "--capacity",
+                                  str(4 * SLOT), "--json", "-q"])
+    assert r.exit_code == 0, r.output
+    with DiskStore(str(small), readonly=True) as d:
+        assert d.stats()["capacity_slots"] == 4 and d.stats()["used_slots"] == 4
+    r = CliRunner().invoke(main, ["warmup", str(small), "--from-store", src, "--all", "--capacity", "1G"])
+    assert r.exit_code == 1 and "exists already" in r.output

