@@ -516,6 +516,8 @@ def _warmup_model(store, prompts, model, *, tokenizer, fmt, dry_run, progress, g
     The connector evicts LRU entries when the store is full, so without
     allow_evict_hotter only as many prompts run (in input order) as the free slots hold.
     """
+    # vLLM logs to stdout by default; the summary (and --json) owns stdout here.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     why = None if dry_run else _engine_runs_here()
     if why is not None:
         raise KVStoreError(NO_ENGINE.format(why=why))

@@ -76,10 +76,11 @@ def assert_same(ref: list[Completion], got: list[Completion], workload: Workload
         assert d <= LOGPROB_TOL, f"{req.name}: logprobs differ by {d}"
 
 
-def kvstore_cli(*args: str, python: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def kvstore_cli(*args: str, python: str | None = None, timeout: float = 600,
+                env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m kvstore.cli ARGS` as an operator runs it (default: this venv's Python)."""
     return subprocess.run([python or sys.executable, "-m", "kvstore.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
+                          text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
 
 
 def info(store) -> dict:

@@ -233,7 +233,7 @@ def test_warmup_with_the_real_engine_then_a_fresh_server_answers_from_disk(
                 f.write(json.dumps({"prompt": r.prompt}) + "\n")
     r = kvstore_cli("warmup", str(store), str(prompts), "--model", model_dir, "--capacity", "256M",
                     "--engine-arg", "dtype=float32", "--engine-arg", "block_size=32", "--json",
-                    python=engine[0])
+                    python=engine[0], env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     sm = json.loads(r.stdout)
     assert sm["blocks_written"] > 0, sm
