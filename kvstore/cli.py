@@ -278,6 +278,36 @@ def bench_connector(prefix_blocks, requests, as_json):
     click.echo(json.dumps(out, indent=2) if as_json else connector_bench.format_table(out))
 
 
+@bench.command("ttft")
+@click.option("--lengths", default="1000,4000,8000", show_default=True, help="Prefix lengths in tokens.")
+@click.option("--samples", default=3, show_default=True, type=click.IntRange(1, 100),
+              help="Distinct prompts per length.")
+@click.option("--model", default="demo", show_default=True, type=click.Choice(["demo", "tiny"]))
+@click.option("--python", "python", default=None, help="Python whose vLLM serves (see `kvstore demo`).")
+@click.option("--systems", default=None,
+              help="Comma-separated subset of: kvstore and the peers (default: all).")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="Where stores and peer tiers live (default: a temporary directory).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--json", "as_json", is_flag=True)
+def bench_ttft(lengths, samples, model, python, systems, directory, plot_path, as_json):
+    """TTFT of a real `vllm serve`: prefill, vLLM's prefix cache, kvstore after a restart, peers."""
+    from kvstore.bench import ttft_bench
+    try:
+        ls = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        _fail(KVStoreError(f"--lengths must be comma-separated integers, got {lengths!r}"))
+    say = (lambda *a: click.echo(*a, err=True)) if as_json else click.echo
+    try:
+        out = ttft_bench.run(ls, samples, model, python,
+                             [s.strip() for s in systems.split(",")] if systems else None, directory, say=say)
+        if plot_path:
+            ttft_bench.plot(out, plot_path)
+    except (KVStoreError, OSError) as exc:
+        _fail(exc)
+    click.echo(json.dumps(ttft_bench.to_json(out), indent=2) if as_json else ttft_bench.format_table(out))
+
+
 @bench.command("soak")
 @click.option("--requests", default=20000, show_default=True, type=click.IntRange(1, 10**7))
 @click.option("--interval", default=2000, show_default=True, type=click.IntRange(1, 10**7))

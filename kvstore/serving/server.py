@@ -102,12 +102,15 @@ def connector_config(store: str, **extra) -> dict:
             "kv_connector_extra_config": {"path": store, **extra}}
 
 
-# Error lines worth showing from a server that failed to start, most specific first.
+# Error lines worth showing from a server that failed to start, most specific first; the
+# generic "engine core failed" lines vLLM prints after the cause are never the answer.
 _ERROR_PATTERNS = [
     re.compile(r"kvstore\.errors\.(\w+): (.*)"),
-    re.compile(r"(LayoutMismatch|StoreLocked|StoreNotFound|ConfigError|CorruptIndex): (.*)"),
-    re.compile(r"(\w*Error): (.*)"),
+    re.compile(r"\b(LayoutMismatch|StoreLocked|StoreNotFound|ConfigError|CorruptIndex): (.*)"),
+    re.compile(r"\b(\w*(?:Error|Exception)): (.*)"),
 ]
+_GENERIC = ("Engine core initialization failed", "EngineCore encountered", "WorkerProc failed",
+            "cancelled", "Worker failed", "See root cause", "EngineDeadError")
 
 
 def explain_failure(log_text: str) -> str:
@@ -115,11 +118,12 @@ def explain_failure(log_text: str) -> str:
     for pat in _ERROR_PATTERNS:
         for i in range(len(lines) - 1, -1, -1):
             m = pat.search(lines[i])
-            if m:
-                msg = f"{m.group(1)}: {m.group(2).strip()}"
-                if "validation error" in msg and i + 2 < len(lines):  # pydantic: the cause follows
-                    msg += " " + " ".join(x.strip() for x in lines[i + 1:i + 3])
-                return msg
+            if not m or any(g in lines[i] for g in _GENERIC):
+                continue
+            msg = f"{m.group(1)}: {m.group(2).strip()}"
+            if "validation error" in msg and i + 2 < len(lines):  # pydantic: the cause follows
+                msg += " " + " ".join(x.strip() for x in lines[i + 1:i + 3])
+            return msg
     return lines[-1] if lines else "(no output)"
 
 
