@@ -61,11 +61,23 @@ def _page_bytes(spec) -> int:
 
 def check_copyable(kv_cache_config, group_ids: Sequence[int] = (0,)) -> None:
     """Refuse, before any KV tensor exists, KV cache configurations kvstore cannot copy
-    (padded pages, tensors shared by several groups), with what to change."""
+    (head-outermost layouts, padded pages, tensors shared by several groups), with what
+    to change. `kv_regions` checks the tensors themselves once they exist."""
     groups = kv_cache_config.kv_cache_groups
     names = {n for g in group_ids for n in groups[g].layer_names}
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or ""
     for g in group_ids:
         spec = groups[g].kv_cache_spec
+        # vLLM's layouts name the physical order of [L, B, H, N, C]: unless L and B are
+        # the two outermost dims (LB..., BL...), a block's page of one layer is split
+        # per head across the allocation (a single head, e.g. MLA, is still one run).
+        if (layout and layout[:2] not in ("LB", "BL") and layout not in ("NHD", "HND")
+                and int(getattr(spec, "num_kv_heads", 1)) > 1):
+            raise ConfigError(
+                f"kvstore cannot copy the {layout} KV cache layout: heads are outside the "
+                "blocks, so a block's page is not one run of bytes. Use a layer-major "
+                "(LBNHC/LBHNC) or block-major (BLNHC/BLHNC) layout: set "
+                "VLLM_KV_CACHE_LAYOUT=LBNHC.")
         padded = getattr(spec, "page_size_padded", None)
         if padded is not None and int(padded) != _page_bytes(spec):
             raise ConfigError(
@@ -124,7 +136,7 @@ def kv_regions(kv_caches: dict, kv_cache_config, group_ids: Sequence[int] = (0,)
                     f"one block spans {span} bytes for a {page}-byte page; view shape "
                     f"{tuple(v.shape)}, strides {tuple(v.stride())}, block stride "
                     f"{kvt.block_stride}): kvstore copies layer-major (LBNHC/LBHNC) or "
-                    "block-major (BLNHC/BLHNC) layouts; set VLLM_KV_CACHE_LAYOUT=NHD or use an "
+                    "block-major (BLNHC/BLHNC) layouts; set VLLM_KV_CACHE_LAYOUT=LBNHC or use an "
                     "attention backend with such a layout")
         regions.append(KVRegion(tuple(names), kvt.offset, kvt.layer_stride, kvt.block_stride, page, nb))
     if storage is None:
