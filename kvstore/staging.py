@@ -44,6 +44,7 @@ class Staging:
         self.buffer = HostBuffer(num_slots * slot_size)
         self._np = self.buffer.numpy()
         self._pinned = False
+        self._device = 0
         self._free = list(range(num_slots - 1, -1, -1))
         self._cv = threading.Condition()
 
@@ -85,19 +86,21 @@ class Staging:
         base = i * self.slot_size + HEADER_SIZE
         return self.numpy()[base:base + self.payload_len]
 
-    def pin(self) -> bool:
-        """Register the memory with the CUDA driver (portable pinned memory), so that
-        device copies DMA straight into and out of it. False, with one warning, when the
-        driver refuses (copies would then fail: the caller must not use CUDA copies)."""
+    def pin(self, device: int = 0) -> bool:
+        """Register the memory with the CUDA driver (portable pinned memory, in the
+        primary context of `device`), so that device copies DMA straight into and out of
+        it. False, with one warning, when the driver refuses (the caller must then not
+        use CUDA copies)."""
         if self._pinned:
             return True
         from kvstore import _cuda
         try:
-            _cuda.host_register(self.address, self.nbytes)
+            _cuda.host_register(self.address, self.nbytes, device)
         except _cuda.CudaError as exc:
             log.warning("kvstore: pinning %d bytes of staging for DMA failed: %s", self.nbytes, exc)
             return False
         self._pinned = True
+        self._device = device
         return True
 
     # -- slot free list --------------------------------------------------------------
@@ -139,7 +142,7 @@ class Staging:
         if self._pinned:
             from kvstore import _cuda
             try:
-                _cuda.host_unregister(self.address)
+                _cuda.host_unregister(self.address, self._device)
             except _cuda.CudaError as exc:
                 log.warning("kvstore: unpinning staging failed: %s", exc)
             self._pinned = False

@@ -165,7 +165,7 @@ class KVTransfer:
         ordinal = -1
         if self.cuda:
             ordinal = device.index if device.index is not None else 0
-            if not staging.pin():
+            if not staging.pin(ordinal):
                 raise ConfigError(
                     f"cannot pin {staging.nbytes} bytes of kvstore staging for DMA (see the warning "
                     "above); lower `staging` in kv_connector_extra_config or raise the locked-memory "

@@ -272,3 +272,14 @@ def test_fp8_variants_get_distinct_fingerprints(tmp_path):
         DiskStore(path, e4m3)
     assert exc.value.field == "dtype"
     DiskStore(path, e5m2).close()
+
+
+def test_connector_refuses_a_head_outermost_layout_before_serving(tmp_path):
+    """vLLM itself accepts LHBNC here (one page size); the kvstore worker connector
+    refuses it when it is built, with the layout to use, before any step runs."""
+    from connector_util import kv_config
+
+    from kvstore.testing import EngineHarness
+    with pytest.raises(ConfigError, match=r"LHBNC KV cache layout.*VLLM_KV_CACHE_LAYOUT=LBNHC"):
+        EngineHarness(workdir=str(tmp_path), layout="LHBNC",
+                      kv_transfer_config=kv_config(tmp_path / "store"))

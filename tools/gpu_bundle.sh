@@ -14,13 +14,17 @@ OUT=${2:-.gpu}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 VENV=$(mktemp -d /tmp/kvstore-gpu-bundle.XXXXXX)
-trap 'rm -rf "$VENV" "$ROOT/build/gpu-bundle"' EXIT
+trap 'rm -rf "$VENV"' EXIT
 "$PY" -m venv "$VENV"
 "$VENV/bin/pip" install -q "liburing==2024.5.3" "Cython>=3.0,<3.1" "numpy>=2.0" lmdb setuptools wheel
 rm -rf "$OUT" && mkdir -p "$OUT/kvstore" "$OUT/site"
-# Build the extensions out of tree so the checkout's own build stays untouched.
-"$VENV/bin/python" setup.py -q build_ext --build-lib build/gpu-bundle --build-temp build/gpu-bundle/tmp
-cp build/gpu-bundle/kvstore/*.so "$OUT/kvstore/"
+# Build from a copy of the sources, so the checkout's own build (and its generated C in
+# build/cython, made against another numpy) stays untouched.
+mkdir -p "$VENV/src"
+cp -r setup.py cython_src csrc kvstore "$VENV/src/"
+find "$VENV/src/kvstore" -name '*.so' -delete
+(cd "$VENV/src" && "$VENV/bin/python" setup.py -q build_ext --inplace)
+cp "$VENV"/src/kvstore/*.so "$OUT/kvstore/"
 SITE=$("$VENV/bin/python" -c 'import liburing, os; print(os.path.dirname(os.path.dirname(liburing.__file__)))')
 for pkg in liburing lmdb; do
     cp -r "$SITE/$pkg" "$OUT/site/"

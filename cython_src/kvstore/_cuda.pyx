@@ -11,7 +11,7 @@ Also owns pinning of host memory (`host_register`) for staging. Never touches to
 """
 from libc.stdint cimport uintptr_t
 from kvstore.includes.cuda cimport (
-    CuDriver, CUresult, CUDA_SUCCESS, CU_MEMHOSTREGISTER_PORTABLE, dlopen, dlsym, dlerror,
+    CuDriver, CUresult, CUcontext, CUdevice, CUDA_SUCCESS, CU_MEMHOSTREGISTER_PORTABLE, dlopen, dlsym, dlerror,
     RTLD_NOW, RTLD_LOCAL,
     cuCtxGetStreamPriorityRange_t, cuCtxSetCurrent_t, cuDeviceGet_t, cuDevicePrimaryCtxRelease_t, cuDevicePrimaryCtxRetain_t, cuDriverGetVersion_t, cuEventCreate_t, cuEventDestroy_t, cuEventQuery_t, cuEventRecord_t, cuEventSynchronize_t, cuGetErrorName_t, cuGetProcAddress_t, cuInit_t, cuMemHostRegister_t, cuMemHostUnregister_t, cuMemcpyAsync_t, cuMemcpyBatchAsync_t, cuStreamCreateWithPriority_t, cuStreamDestroy_t, cuStreamSynchronize_t, cuStreamWaitEvent_t,
 )
@@ -121,19 +121,43 @@ def available() -> bool:
         return False
 
 
-def host_register(uintptr_t address, size_t nbytes):
-    """Pin host memory for DMA (cuMemHostRegister, portable to every context)."""
+cdef CUcontext _primary(CuDriver *d, int device) except NULL:
+    """Retain device's primary context (the one torch and vLLM use) and make it current."""
+    cdef CUdevice dev
+    cdef CUcontext ctx = NULL
+    cuda_check(d.cuDeviceGet(&dev, device), f"cuDeviceGet({device})")
+    cuda_check(d.cuDevicePrimaryCtxRetain(&ctx, dev), f"cuDevicePrimaryCtxRetain(device {device})")
+    rc = d.cuCtxSetCurrent(ctx)
+    if rc != CUDA_SUCCESS:
+        d.cuDevicePrimaryCtxRelease(dev)
+        cuda_check(rc, f"cuCtxSetCurrent(device {device})")
+    return ctx
+
+
+def host_register(uintptr_t address, size_t nbytes, int device=0):
+    """Pin host memory for DMA (cuMemHostRegister, portable to every context), in the
+    primary context of `device`, which stays retained until host_unregister."""
     cdef CuDriver *d = cuda_driver()
     cdef CUresult rc
+    cdef CUdevice dev
+    _primary(d, device)
     with nogil:
         rc = d.cuMemHostRegister(<void *>address, nbytes, CU_MEMHOSTREGISTER_PORTABLE)
+    if rc != CUDA_SUCCESS:
+        d.cuDeviceGet(&dev, device)
+        d.cuDevicePrimaryCtxRelease(dev)
     cuda_check(rc, f"cuMemHostRegister of {nbytes} bytes at 0x{address:x}")
 
 
-def host_unregister(uintptr_t address):
-    """Undo host_register (the memory must not be in use by a copy)."""
+def host_unregister(uintptr_t address, int device=0):
+    """Undo host_register (no copy may still use the memory)."""
     cdef CuDriver *d = cuda_driver()
     cdef CUresult rc
+    cdef CUdevice dev
+    _primary(d, device)
     with nogil:
         rc = d.cuMemHostUnregister(<void *>address)
+    d.cuDeviceGet(&dev, device)
+    d.cuDevicePrimaryCtxRelease(dev)   # the retain of _primary here
+    d.cuDevicePrimaryCtxRelease(dev)   # the retain of host_register
     cuda_check(rc, f"cuMemHostUnregister at 0x{address:x}")
