@@ -26,7 +26,7 @@ find "$VENV/src/kvstore" -name '*.so' -delete
 (cd "$VENV/src" && "$VENV/bin/python" setup.py -q build_ext --inplace)
 cp "$VENV"/src/kvstore/*.so "$OUT/kvstore/"
 SITE=$("$VENV/bin/python" -c 'import liburing, os; print(os.path.dirname(os.path.dirname(liburing.__file__)))')
-for pkg in liburing lmdb; do
+for pkg in liburing dynamic_import lmdb; do
     cp -r "$SITE/$pkg" "$OUT/site/"
     cp -r "$SITE/$pkg"-*.dist-info "$OUT/site/" 2>/dev/null || true
 done

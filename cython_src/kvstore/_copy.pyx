@@ -101,7 +101,7 @@ cdef class CopyEngine:
     """Copies of block batches between one KV allocation and one staging memory.
 
     `rows`: (kv_off, block_stride, stage_off, length, num_blocks) per contiguous run of a
-    block (see kvstore.transfer.kv_rows); `kv_base`/`kv_nbytes`: the KV allocation;
+    block (see kvstore.transfer.KVRegion.rows); `kv_base`/`kv_nbytes`: the KV allocation;
     `stage_base`/`stage_nbytes`/`slot_size`: the staging memory and its slot size.
     `device`: -1 for a KV cache in host memory (synchronous memcpy), else the CUDA
     ordinal of the KV cache (asynchronous DMA; the staging memory must be pinned).
@@ -196,8 +196,10 @@ cdef class CopyEngine:
             self._bind()
             cuda_check(self.drv.cuCtxGetStreamPriorityRange(&least, &greatest),
                        "cuCtxGetStreamPriorityRange")
-            # `least` is the numerically largest value: the lowest priority. Kernels of
-            # the forward pass always go first; copies fill the gaps.
+            # `least` is the numerically largest value: the lowest priority the context
+            # offers (0 on current GPUs, the default streams' priority), so a copy never
+            # outranks the forward pass, and a server that runs its forward on a
+            # high-priority stream goes first.
             for d in range(2):
                 cuda_check(self.drv.cuStreamCreateWithPriority(&self.streams[d], CU_STREAM_NON_BLOCKING, least),
                            "cuStreamCreateWithPriority")
