@@ -571,6 +571,8 @@ def sec_bandwidth(rep: Report, ctx: Ctx):
                 host = t.empty(top * bb, dtype=t.uint8, pin_memory=True)
             else:
                 host = t.empty(top * bb, dtype=t.uint8)
+            if not ctx.cuda:
+                host_np, dev_np = host.numpy(), devbuf.numpy()
             try:
                 for n in counts:
                     blocks = list(range(n))
@@ -579,13 +581,20 @@ def sec_bandwidth(rep: Report, ctx: Ctx):
                     s = timed(lambda: xfer.wait(xfer.scatter(slots, blocks)))
                     nbytes = n * bb
 
-                    def ref_d2h():
-                        host[:nbytes].copy_(devbuf[:nbytes], non_blocking=True)
-                        ctx.sync()
+                    if ctx.cuda:
+                        def ref_d2h():
+                            host[:nbytes].copy_(devbuf[:nbytes], non_blocking=True)
+                            ctx.sync()
 
-                    def ref_h2d():
-                        devbuf[:nbytes].copy_(host[:nbytes], non_blocking=True)
-                        ctx.sync()
+                        def ref_h2d():
+                            devbuf[:nbytes].copy_(host[:nbytes], non_blocking=True)
+                            ctx.sync()
+                    else:   # one plain memcpy (torch's CPU copy_ splits across threads)
+                        def ref_d2h():
+                            np.copyto(host_np[:nbytes], dev_np[:nbytes])
+
+                        def ref_h2d():
+                            np.copyto(dev_np[:nbytes], host_np[:nbytes])
                     rd, rh = timed(ref_d2h), timed(ref_h2d)
                     r = {"block_bytes": bb, "layout": layout, "layers": L, "blocks": n,
                          "segments": n * xfer.engine.rows_per_block,
@@ -612,6 +621,7 @@ def sec_bandwidth(rep: Report, ctx: Ctx):
                 xfer.close()
                 staging.close()
                 del kv, devbuf, host
+                host_np = dev_np = None
                 if ctx.cuda:
                     t.cuda.empty_cache()
     if not ctx.cuda:
