@@ -227,6 +227,7 @@ class Ctx:
         """A DiskStore + RankIO over a Staging of `staging_slots` slots (O_DIRECT when the
         file system takes it)."""
         from kvstore.engine import DiskStore
+        from kvstore.errors import KVStoreError
         from kvstore.layout import Layout
         from kvstore.rankio import RankIO
         from kvstore.staging import Staging
@@ -239,7 +240,7 @@ class Ctx:
                 rio = RankIO(path, 0, layout=lay, io_mode=mode, staging=staging)
                 self.io_mode = mode
                 return st, rio, staging, lay
-            except OSError as exc:
+            except (OSError, KVStoreError) as exc:
                 if mode == "page_cache":
                     raise
                 self.io_mode = "page_cache"
