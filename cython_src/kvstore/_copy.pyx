@@ -174,7 +174,11 @@ cdef class CopyEngine:
         self.is_closed = False
         self.device = device
         if device >= 0:
-            self._open_cuda(device, use_batch, max_events)
+            try:
+                self._open_cuda(device, use_batch, max_events)
+            except BaseException:
+                self.close()    # init finishes completely or undoes itself
+                raise
 
     def _open_cuda(self, int device, bint use_batch, int max_events):
         cdef int least = 0, greatest = 0
