@@ -68,8 +68,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.bind(connector_metadata)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        # Stores are copied out of the KV cache within the step that planned them, so a
-        # preempted request's blocks can be reused at once; nothing to flush.
+        # Stores are copied out of the KV cache within the step that planned them (on
+        # CUDA: enqueued then, and the next step's forward is fenced behind the copy), so
+        # a preempted request's blocks can be reused at once; nothing to flush.
         return None
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
