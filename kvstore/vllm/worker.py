@@ -92,7 +92,20 @@ class KVStoreWorker:
         self._started_jobs: set[int] = set()
         # The previous step's gathers must finish (GPU-side) before this step's forward
         # may overwrite a block they read.
-        self.transfer.fence()
+        try:
+            self.transfer.fence()
+        except Exception as exc:   # never raise into the engine while serving
+            log.warning("kvstore rank %d: fencing the compute stream behind the stores "
+                        "failed: %s", self.rank, exc)
+
+    def _mark(self) -> int:
+        """A copy ticket for the compute stream's work so far (0 on CPU, or on error: the
+        load then just is not ordered behind this step)."""
+        try:
+            return self.transfer.mark()
+        except Exception as exc:
+            log.warning("kvstore rank %d: marking the compute stream failed: %s", self.rank, exc)
+            return 0
 
     def start_load_kv(self) -> None:
         meta = self._meta
@@ -102,7 +115,7 @@ class KVStoreWorker:
             if job.job_id in self._started_jobs:
                 continue
             self._started_jobs.add(job.job_id)
-            st = _LoadState(job, time.monotonic(), after=self.transfer.mark())
+            st = _LoadState(job, time.monotonic(), after=self._mark())
             with self._lock:
                 self._loads[job.req_id] = st
             self._put(0, ("load", st))
