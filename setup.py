@@ -6,7 +6,9 @@ installed. Nothing is linked: liburing's non-inline functions are reached throug
 `liburing` binding's Cython capsules, its static-inline helpers compile in from its header.
 The slot codec compiles xxHash in from its header (Debian `libxxhash-dev`; an AVX2 build of
 XXH3 in csrc/, hand-written C, is picked at run time) and links zlib for CRC-32
-(`zlib1g-dev`); `make` installs both.
+(`zlib1g-dev`); `make` installs both. The CUDA driver is never linked either: `_cuda`
+dlopens libcuda.so.1 at run time, so the build needs no CUDA toolkit and the same build
+runs with or without a GPU.
 """
 import os
 
@@ -30,7 +32,7 @@ def extensions():
     from Cython.Build import cythonize
 
     include_dirs = [os.path.join(os.path.dirname(liburing.__file__), "include"), numpy.get_include()]
-    names = ["_hostbuf", "_ring", "_slotfile"]
+    names = ["_hostbuf", "_ring", "_slotfile", "_cuda", "_copy"]
     exts = [
         Extension(
             f"kvstore.{name}",
@@ -38,7 +40,7 @@ def extensions():
             + ([os.path.join("csrc", "kvstore_xxh3_avx2.c")] if name == "_slotfile" else []),
             include_dirs=include_dirs + ["csrc"],
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-            libraries=["z"] if name == "_slotfile" else [],
+            libraries={"_slotfile": ["z"], "_cuda": ["dl"]}.get(name, []),
             extra_compile_args=["-O2", "-Wno-unused-function", "-Wno-unreachable-code"],
         )
         for name in names

@@ -13,11 +13,12 @@ import re
 import time
 from dataclasses import asdict, dataclass, fields
 
+# HEADER_SIZE and ALIGN are defined once, for C and Python, in the I/O core
+# (cython_src/kvstore/includes/format.pxd).
+from kvstore._slotfile import ALIGN, HEADER_SIZE
 from kvstore.errors import ConfigError, KVStoreError, LayoutMismatch, StoreNotFound
 
 FORMAT_VERSION = 1
-HEADER_SIZE = 4096
-ALIGN = 4096
 FINGERPRINT = "kvstore.json"
 MAX_FILE_BYTES = 4 << 30  # slot files stay <= 4 GiB: fewer fds than one file per block
 

@@ -15,9 +15,11 @@ from kvstore.includes.posix_mem cimport (
     MAP_ANONYMOUS, MADV_DONTFORK, errno,
 )
 
+from kvstore.includes.format cimport KVS_ALIGN
+
 from kvstore.errors import AlignmentError, KVStoreError
 
-ALIGN = 4096
+ALIGN = KVS_ALIGN
 
 cdef Py_ssize_t _one = 1
 

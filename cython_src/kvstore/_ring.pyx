@@ -43,6 +43,7 @@ from kvstore.includes.uring cimport (
     io_uring_register_files, io_uring_unregister_files, iovec,
 )
 from kvstore._hostbuf cimport HostBuffer
+from kvstore.includes.format cimport KVS_ALIGN
 from kvstore._slotfile cimport check_slot, payload_hash, stamp_header
 from liburing.lib.type cimport __iovec
 
@@ -51,7 +52,7 @@ from kvstore.errors import AlignmentError, KVStoreError
 cnp.import_array()
 
 log = logging.getLogger("kvstore.ring")
-ALIGN = 4096
+ALIGN = KVS_ALIGN
 REGISTER_PIECE = 1 << 30   # the kernel registers at most 1 GiB per buffer
 cdef uint64_t EARLY_SUBMIT_BYTES = 1 << 20   # checksum work that is worth a submit first
 OPNAMES = ("read", "write", "fdatasync")

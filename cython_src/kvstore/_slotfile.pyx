@@ -31,13 +31,14 @@ from libc.stdint cimport uint16_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memset
 
 from kvstore.includes.checksum cimport crc32, kvstore_xxh3_64
+from kvstore.includes.format cimport KVS_ALIGN, KVS_HEADER_SIZE
 from kvstore.errors import CorruptSlot, KVStoreError
 
 if sys.byteorder != "little":  # the C codec below stores native integers
     raise ImportError("kvstore's slot format codec supports little-endian hosts only")
 
-HEADER_SIZE = 4096
-ALIGN = 4096
+HEADER_SIZE = KVS_HEADER_SIZE   # the one definition: includes/format.pxd
+ALIGN = KVS_ALIGN
 MAGIC = b"KVSTSLOT"
 FORMAT_VERSION = 1
 MAX_KEY = 128
@@ -71,7 +72,6 @@ cdef enum:
     _OFF_CSUM = 40
     _OFF_KEY = 48
     _OFF_CRC = 176
-    _HEADER_SIZE = 4096
 
 cdef const char *_MAGIC = b"KVSTSLOT"
 
@@ -86,7 +86,7 @@ cdef void stamp_header(char *hdr, const char *key, uint32_t key_len, uint64_t sl
     cdef uint16_t version = 1
     cdef uint16_t klen = <uint16_t>key_len
     cdef uint32_t crc
-    memset(hdr, 0, _HEADER_SIZE)
+    memset(hdr, 0, KVS_HEADER_SIZE)
     memcpy(hdr, _MAGIC, 8)
     memcpy(hdr + _OFF_VERSION, &version, 2)
     memcpy(hdr + _OFF_KEYLEN, &klen, 2)

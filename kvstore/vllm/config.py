@@ -108,7 +108,7 @@ def layout_from_vllm(vllm_config, kv_cache_config) -> Layout:
     num_layers = len(groups[0].layer_names)
     return Layout(
         model=str(vllm_config.model_config.model),
-        dtype=str(spec.dtype).replace("torch.", ""),
+        dtype=cache_dtype_name(getattr(cc, "cache_dtype", "auto"), spec.dtype),
         block_size=int(spec.block_size),
         block_bytes=int(spec.page_size_bytes) * num_layers,
         num_layers=num_layers,
@@ -118,6 +118,19 @@ def layout_from_vllm(vllm_config, kv_cache_config) -> Layout:
         hash_algo=str(hash_algo),
         kv_layout=f"pages:{page_format}",
     )
+
+
+def cache_dtype_name(cache_dtype: str | None, torch_dtype) -> str:
+    """The KV cache dtype as configured, for the fingerprint: fp8 caches are uint8
+    tensors in every variant, so the tensor dtype alone would let a store written with
+    fp8_e5m2 be served to an fp8_e4m3 engine (wrong KV, silently). "auto" is the model's
+    dtype; vLLM's plain "fp8" is fp8_e4m3."""
+    name = str(cache_dtype or "auto")
+    if name == "auto":
+        return str(torch_dtype).replace("torch.", "")
+    if name == "fp8":
+        return "fp8_e4m3"
+    return name
 
 
 def block_key(block_hash: bytes, group_id: int = 0) -> bytes:

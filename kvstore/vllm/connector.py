@@ -46,6 +46,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = KVStoreScheduler(self.cfg, self.layout, vllm_config, events)
             log.info("kvstore: serving store %s (%s)", self.cfg.path, self.scheduler.store.stats())
         self._rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
+        if role == KVConnectorRole.WORKER and kv_cache_config is not None:
+            # Refuse a KV cache kvstore cannot copy now, with what to change, rather than
+            # when vLLM hands over its tensors.
+            from kvstore.transfer import check_copyable
+            check_copyable(kv_cache_config)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -64,8 +69,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.bind(connector_metadata)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        # Stores are copied out of the KV cache within the step that planned them, so a
-        # preempted request's blocks can be reused at once; nothing to flush.
+        # Stores are copied out of the KV cache within the step that planned them (on
+        # CUDA: enqueued then, and the next step's forward is fenced behind the copy), so
+        # a preempted request's blocks can be reused at once; nothing to flush.
         return None
 
     def start_load_kv(self, forward_context, **kwargs) -> None:

@@ -1,11 +1,14 @@
 """Worker side of the kvstore connector: moves bytes, reports completions.
 
 Owns one TP rank's slot files, io_uring ring and staging memory (through
-`kvstore.engine.RankIO`), the device<->staging copies (`kvstore.transfer.KVTransfer`) and
-one I/O thread that is the only user of the ring. Stores are copied out of the KV cache
-within the step that computed them (`wait_for_save`), then written and made durable in
-the background; loads are read, verified and copied into the KV cache in the background
-and reported through `get_finished`. Any failure becomes a per-block report (the
+`kvstore.rankio.RankIO`, whose `Staging` is also the free list of staging slots), the
+device<->staging copies (`kvstore.transfer.KVTransfer`) and one I/O thread that is the
+only user of the ring and sets the rank's device first. Stores are enqueued as copies out
+of the KV cache within the step that computed them (`wait_for_save`, which never waits
+for the GPU; the next step's forward is fenced behind them), then written and made
+durable in the background once the copy is done; loads are read, verified and copied
+into the KV cache in the background and reported through `get_finished` only after
+their copy completed. Any failure becomes a per-block report (the
 scheduler drops the entry; vLLM recomputes the block); nothing raises into the engine
 and nothing waits forever (loads time out after `load_timeout_s`).
 """
@@ -17,48 +20,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvstore.engine import RankIO, SlotRef, ensure_store
+from kvstore.engine import ensure_store
 from kvstore.errors import KVStoreError
-from kvstore.transfer import KVTransfer, register_host_memory
+from kvstore.rankio import RankIO, SlotRef
+from kvstore.transfer import KVTransfer
 from kvstore.vllm.config import ConnectorConfig
 from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob
 from kvstore.vllm.metrics import KVStoreStats
 
 log = logging.getLogger("kvstore.vllm.worker")
-
-
-class StagingSlots:
-    """Free list of staging slots shared by the step thread and the I/O thread."""
-
-    def __init__(self, n: int):
-        self._free = list(range(n - 1, -1, -1))
-        self._cv = threading.Condition()
-        self.total = n
-
-    def take(self, n: int, timeout: float | None = 0.0) -> list[int] | None:
-        with self._cv:
-            if timeout:
-                self._cv.wait_for(lambda: len(self._free) >= n, timeout)
-            if len(self._free) < n:
-                return None
-            return [self._free.pop() for _ in range(n)]
-
-    def take_up_to(self, n: int, timeout: float = 0.0) -> list[int]:
-        """Between 1 and n slots, waiting up to `timeout` for at least one; [] if none."""
-        with self._cv:
-            if timeout:
-                self._cv.wait_for(lambda: len(self._free) >= 1, timeout)
-            k = min(n, len(self._free))
-            return [self._free.pop() for _ in range(k)]
-
-    def give(self, slots) -> None:
-        with self._cv:
-            self._free.extend(slots)
-            self._cv.notify_all()
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
 
 
 @dataclass
@@ -67,6 +37,7 @@ class _LoadState:
     started: float
     done: bool = False
     cancelled: bool = False
+    after: int = 0        # copy ticket: the compute stream's work before this step
     failed_idx: set = field(default_factory=set)   # blocks vLLM recomputes
     bad_idx: set = field(default_factory=set)      # of those, blocks whose entry is dropped
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -81,18 +52,18 @@ class KVStoreWorker:
         ensure_store(cfg.path, layout, cfg.capacity, io_mode=cfg.io_mode, create=cfg.create)
         self.io = RankIO(cfg.path, rank, layout=layout, io_mode=cfg.io_mode,
                          queue_depth=cfg.queue_depth, staging_bytes=cfg.staging_bytes)
+        self.transfer = None
         try:
-            stage_t = self.io.staging.torch()
-            self.transfer = KVTransfer(kv_caches, kv_cache_config, stage_t, self.io.slot_size)
+            self.transfer = KVTransfer(kv_caches, kv_cache_config, self.io.staging)
             if self.transfer.block_bytes != layout.block_bytes:
                 raise KVStoreError(f"KV cache blocks are {self.transfer.block_bytes} bytes, the "
                                    f"layout says {layout.block_bytes}")
-            if self.transfer.cuda:
-                register_host_memory(stage_t)
         except BaseException:
+            if self.transfer is not None:
+                self.transfer.close()
             self.io.close()
             raise
-        self.slots = StagingSlots(self.io.staging_slots)
+        self.slots = self.io.staging
         # Loads before stores: a request waits on its load (time to first token), while a
         # store only delays when its blocks become hits. (priority, sequence, job)
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
@@ -121,7 +92,20 @@ class KVStoreWorker:
         self._started_jobs: set[int] = set()
         # The previous step's gathers must finish (GPU-side) before this step's forward
         # may overwrite a block they read.
-        self.transfer.fence()
+        try:
+            self.transfer.fence()
+        except Exception as exc:   # never raise into the engine while serving
+            log.warning("kvstore rank %d: fencing the compute stream behind the stores "
+                        "failed: %s", self.rank, exc)
+
+    def _mark(self) -> int:
+        """A copy ticket for the compute stream's work so far (0 on CPU, or on error: the
+        load then just is not ordered behind this step)."""
+        try:
+            return self.transfer.mark()
+        except Exception as exc:
+            log.warning("kvstore rank %d: marking the compute stream failed: %s", self.rank, exc)
+            return 0
 
     def start_load_kv(self) -> None:
         meta = self._meta
@@ -131,7 +115,7 @@ class KVStoreWorker:
             if job.job_id in self._started_jobs:
                 continue
             self._started_jobs.add(job.job_id)
-            st = _LoadState(job, time.monotonic())
+            st = _LoadState(job, time.monotonic(), after=self._mark())
             with self._lock:
                 self._loads[job.req_id] = st
             self._put(0, ("load", st))
@@ -157,13 +141,13 @@ class KVStoreWorker:
             return
         dropped = list(range(k, n))
         try:
-            event = self.transfer.gather(job.block_ids[:k], stage)
+            ticket = self.transfer.gather(job.block_ids[:k], stage)
         except Exception as exc:
             self.slots.give(stage)
             log.warning("kvstore rank %d: gather for store failed: %s", self.rank, exc)
             self._report_store(job.job_id, list(range(n)))
             return
-        self._put(1, ("store", job, stage, event, dropped))
+        self._put(1, ("store", job, stage, ticket, dropped))
 
     def _put(self, priority: int, item) -> None:
         with self._lock:
@@ -177,6 +161,11 @@ class KVStoreWorker:
     MAX_LOAD_BATCH = 64   # requests whose loads share one ring pass
 
     def _run(self) -> None:
+        try:
+            self.transfer.bind_thread()
+        except Exception as exc:
+            log.error("kvstore rank %d: cannot use device %s on the I/O thread: %s", self.rank,
+                      self.transfer.device, exc)
         while True:
             entry = self._jobs.get()
             item = entry[2]
@@ -229,11 +218,13 @@ class KVStoreWorker:
                 with self._lock:
                     self._outstanding -= 1
 
-    def _do_store(self, job: StoreJob, stage: list[int], event, dropped: list[int]) -> None:
+    def _do_store(self, job: StoreJob, stage: list[int], ticket: int, dropped: list[int]) -> None:
         refs = [SlotRef(k, s, g) for k, s, g in zip(job.keys, job.slots, job.generations)]
         refs = refs[:len(stage)]
         try:
-            KVTransfer.wait(event)
+            # The copy into staging must be complete before the slot is written (and
+            # before staging goes back to the free list).
+            self.transfer.wait(ticket)
             errors = self.io.write_staged(refs, stage, durable=self.cfg.durability == "fdatasync")
         except Exception as exc:
             errors = [exc] * len(refs)
@@ -309,7 +300,8 @@ class KVStoreWorker:
             for key, (st, stage_ids, block_ids, count) in groups.items():
                 with st.lock:
                     if not st.cancelled and stage_ids:   # timed out: vLLM recomputes, hands off
-                        KVTransfer.wait(self.transfer.scatter(stage_ids, block_ids))
+                        after, st.after = st.after, 0
+                        self.transfer.wait(self.transfer.scatter(stage_ids, block_ids, after))
                 left[key] -= count[0]
                 if left[key] == 0:
                     self._finish_load(st, failed[key], bad[key])
@@ -332,6 +324,9 @@ class KVStoreWorker:
                 for area in areas:
                     self.slots.give(area)
         for st in states:
+            if st.after:   # no block of it was copied: its ordering ticket is unused
+                self.transfer.release(st.after)
+                st.after = 0
             if left[id(st)]:     # not reported from consume: no staging, or the read raised
                 left[id(st)] = 0
                 self._finish_load(st, failed[id(st)], bad[id(st)])
@@ -355,7 +350,11 @@ class KVStoreWorker:
         with self._lock:
             items = list(self._loads.items())
         for req_id, st in items:
-            with st.lock:
+            # The I/O thread holds st.lock while it copies into the KV cache: never wait
+            # for it here (the step thread must not wait for the GPU); look again next step.
+            if not st.lock.acquire(blocking=False):
+                continue
+            try:
                 if not st.done and now - st.started > self.cfg.load_timeout_s:
                     # Stalled I/O: give up; vLLM recomputes these blocks, and the I/O
                     # thread will not touch them any more (cancelled under st.lock).
@@ -365,6 +364,8 @@ class KVStoreWorker:
                                 "recomputing", self.rank, req_id, self.cfg.load_timeout_s)
                 elif not st.done:
                     continue
+            finally:
+                st.lock.release()
             with self._lock:
                 self._loads.pop(req_id, None)
                 self._finished_loads.add(req_id)
@@ -418,4 +419,5 @@ class KVStoreWorker:
                       "leaving its ring and slot files open", self.rank,
                       max(5.0, self.cfg.load_timeout_s))
             return
+        self.transfer.close()
         self.io.close()

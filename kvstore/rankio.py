@@ -1,0 +1,689 @@
+"""RankIO: one rank's slot files, io_uring ring and staging memory.
+
+Owns the data path of one TP rank between its staging memory (`kvstore.staging.Staging`)
+and its fixed-slot files: batches of slot images written (stamped by the ring, then made
+durable by one fdatasync per file) and read (checked by the ring as each completes),
+double-buffered so that the ring works on one chunk while the caller fills or drains
+the other. vLLM workers use only this (they never open LMDB); `DiskStore` opens one per
+rank for tools and tests. Never touches the index and never imports vLLM or torch.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvstore import _slotfile
+from kvstore._hostbuf import HostBuffer
+from kvstore._ring import Ring
+from kvstore._slotfile import SlotFile
+from kvstore.errors import AlignmentError, ConfigError, CorruptSlot, KVStoreError, StoreNotFound
+from kvstore.layout import HEADER_SIZE, Layout, check_layout, read_fingerprint
+from kvstore.staging import Staging
+
+log = logging.getLogger("kvstore.rankio")
+
+
+IO_MODES = ("direct", "page_cache")
+VERIFY_MODES = ("checksum", "header")
+_VERIFY_CODE = {"header": 1, "checksum": 2}   # Ring.slot_io's verify levels
+OP_READ, OP_WRITE = 0, 1
+
+
+def _host_array(x):
+    """A CPU torch tensor as the numpy array sharing its memory; anything else unchanged.
+    Device memory is refused: the ring can only move host memory."""
+    if type(x).__module__.startswith("torch") and hasattr(x, "data_ptr"):
+        if x.device.type != "cpu":
+            raise TypeError(f"payloads must be host memory, not a {x.device.type} tensor: copy "
+                            "through pinned host memory (the connector uses staging for this)")
+        return x.detach().numpy()
+    return x
+
+
+def _settle(fut) -> None:
+    """Wait for a ring future whatever its outcome (its error is the caller's to report)."""
+    try:
+        fut.result()
+    except BaseException:
+        pass
+
+
+def _view_at(addr: int, nbytes: int) -> np.ndarray:
+    """A uint8 view of nbytes at a raw address (caller memory that is alive for the call)."""
+    import ctypes
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not valid; choose one of {', '.join(choices)}")
+
+
+def _check_dir(path: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise StoreNotFound(f"{path} does not exist") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise KVStoreError(f"refusing {path}: it is a symlink (kvstore never follows symlinks "
+                           "inside a store; use the real path)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise KVStoreError(f"{path} is not a directory")
+
+
+
+def rank_dir(store_dir: str, rank: int) -> str:
+    return os.path.join(store_dir, f"rank{rank}")
+
+
+def slot_file_path(store_dir: str, rank: int, file_index: int) -> str:
+    return os.path.join(rank_dir(store_dir, rank), f"slots-{file_index:04d}.kvs")
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    """One block's place on disk: what a worker needs to write or read it."""
+
+    key: bytes
+    slot: int
+    generation: int
+
+
+
+
+class RankIO:
+    """One rank's slot files, io_uring ring and staging memory.
+
+    Moves slot images (header + payload) between staging memory and disk in batches of
+    at most `staging_slots` slots. Writes are made durable with one batched fdatasync
+    through the ring before `write_blocks` returns success, so the caller may commit.
+    Reads verify each slot against (key, slot, generation) and, with verify='checksum',
+    the payload checksum; a bad slot is reported per block, never handed to the caller.
+    """
+
+    def __init__(self, store_dir: str, rank: int = 0, *, layout: Layout | None = None,
+                 io_mode: str = "direct", queue_depth: int = 32, staging_bytes: int = 64 << 20,
+                 readonly: bool = False, staging: Staging | None = None,
+                 missing_ok: bool = False):
+        _check_choice("io_mode", io_mode, IO_MODES)
+        if missing_ok and not readonly:
+            raise ConfigError("RankIO: missing_ok=True is only for readonly openers (fsck)")
+        stored, geo, _ = read_fingerprint(store_dir)
+        if layout is not None:
+            check_layout(store_dir, stored, layout)
+        if not 0 <= rank < stored.tp_size:
+            raise ConfigError(f"rank {rank} out of range: store has tp_size={stored.tp_size}")
+        self.store_dir = store_dir
+        self.rank = rank
+        self._direct = io_mode == "direct"
+        self.layout = stored
+        self.geometry = geo
+        self.payload_len = stored.block_bytes
+        self.slot_size = geo.slot_size
+        self.files: list[SlotFile] = []
+        # missing_ok (fsck): slot files that cannot be opened (missing, wrong size, symlink)
+        # are listed here, file index -> reason, and every I/O on their slots fails EBADF.
+        self.bad_files: dict[int, str] = {}
+        self.ring = None
+        self._own_staging = staging is None
+        self.staging = None
+        self._headers = None   # header memory of caller-memory transfers (read_into/write_from)
+        self._pool = None
+        try:
+            try:
+                _check_dir(rank_dir(store_dir, rank))
+                dir_error = None
+            except KVStoreError as exc:
+                if not missing_ok:
+                    raise
+                dir_error = str(exc)
+            for i in range(geo.num_files):
+                if dir_error is not None:
+                    self.bad_files[i] = dir_error
+                    continue
+                try:
+                    self.files.append(SlotFile(slot_file_path(store_dir, rank, i), geo.slot_size,
+                                               geo.file_slots(i), direct=(io_mode == "direct"),
+                                               readonly=readonly))
+                except (KVStoreError, OSError) as exc:
+                    if not missing_ok:
+                        raise
+                    self.bad_files[i] = str(exc)
+            if staging is None:
+                staging = Staging.for_bytes(staging_bytes, geo.slot_size, self.payload_len)
+            elif staging.slot_size != geo.slot_size or staging.payload_len != self.payload_len:
+                raise ConfigError(f"staging slots of {staging.slot_size} bytes ({staging.payload_len}-byte "
+                                  f"payloads) do not fit this store's {geo.slot_size}-byte slots")
+            self.staging = staging
+            self.staging_slots = staging.num_slots
+            self.ring = Ring(queue_depth)
+            self.ring.register_buffers([staging.buffer])
+            if self.files:
+                self.ring.register_files([f.fd for f in self.files], [f.path for f in self.files])
+        except BaseException:
+            self.close()
+            raise
+        if self.bad_files:
+            good = iter(self.files)
+            self._fds = np.array([-1 if i in self.bad_files else next(good).fd
+                                  for i in range(geo.num_files)], dtype=np.int32)
+        else:
+            self._fds = np.array([f.fd for f in self.files], dtype=np.int32)
+
+    def close(self):
+        """Close ring, files and owned staging memory (idempotent)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        for f in self.files:
+            f.close()
+        self.files = []
+        self.bad_files = {}
+        if self._headers is not None:
+            self._headers.close()
+            self._headers = None
+        if self.staging is not None:
+            if self._own_staging:
+                self.staging.close()
+            self.staging = None
+
+    @property
+    def closed(self) -> bool:
+        return self.ring is None
+
+    def _check_open(self):
+        if self.ring is None:
+            raise KVStoreError(f"RankIO for rank {self.rank} of {self.store_dir} is closed")
+
+    def payload_view(self, i: int) -> np.ndarray:
+        """Staging payload area of staging slot i (uint8, block_bytes long)."""
+        return self.staging.payload_view(i)
+
+    def slot_view(self, i: int) -> np.ndarray:
+        return self.staging.slot_view(i)
+
+    def _locate(self, slots: Sequence[int]):
+        s = np.asarray(slots, dtype=np.int64)
+        if s.size and (s.min() < 0 or s.max() >= self.geometry.num_slots):
+            raise KVStoreError(f"slot out of range 0..{self.geometry.num_slots - 1}: {s.min()}..{s.max()}")
+        fidx = s // self.geometry.slots_per_file
+        offs = (s % self.geometry.slots_per_file) * self.slot_size
+        return self._fds[fidx], offs.astype(np.uint64)
+
+    def _submit(self, opcode, refs, stage_slots, verify: int = 0):
+        """Move refs[i] between disk and staging slot stage_slots[i] (header + payload).
+
+        Writes are stamped and reads checked by the ring, inside its GIL-free loop.
+        Returns (results, status, fds, offsets) as `_slot_io`.
+        """
+        stage = np.asarray(stage_slots, dtype=np.uint64)
+        hdrs = np.uint64(self.staging.address) + stage * np.uint64(self.slot_size)
+        return self._slot_io(opcode, refs, hdrs, None, verify)
+
+    def _slot_io(self, opcode, refs, hdr_addrs, payload_addrs, verify: int):
+        slots = [r.slot for r in refs]
+        fds, offs = self._locate(slots)
+        res, status = self.ring.slot_io(
+            opcode, fds, offs, hdr_addrs, payload_addrs, self.slot_size - HEADER_SIZE,
+            [r.key for r in refs], slots, [r.generation for r in refs],
+            self.payload_len, verify=verify, payload_align=HEADER_SIZE if self._direct else 1)
+        short = (res >= 0) & (res != self.slot_size)
+        if short.any():
+            # The ring completes every transfer or fails it; a partial count here would
+            # commit a half-written slot (writes cannot be verified), so never trust one.
+            log.warning("rank %d: %d %s(s) returned a short count (%s of %d bytes); treated as "
+                        "I/O errors", self.rank, int(short.sum()), "write" if opcode == OP_WRITE
+                        else "read", int(res[short][0]), self.slot_size)
+            res = res.copy()
+            res[short] = -errno.EIO
+        return res, status, fds, offs
+
+    def _error(self, opcode, res, fd, off, ref):
+        name = {int(f.fd): f.path for f in self.files}.get(int(fd), f"fd {fd}")
+        op = "write" if opcode == OP_WRITE else "read"
+        return OSError(-int(res), f"{op} of slot {ref.slot} (offset {int(off)}) failed: "
+                       f"{os.strerror(-int(res))}", name)
+
+    def write_staged(self, refs: Sequence[SlotRef], stage_slots: Sequence[int], *,
+                     durable: bool = True) -> list[Exception | None]:
+        """Write refs[i] from staging slot stage_slots[i] (payload already in place).
+
+        Stamps each header (key, slot, generation, payload checksum), submits the whole
+        batch, then fdatasyncs every touched file through the ring when `durable`.
+        Returns None per written (durable) slot, else the error.
+        """
+        self._check_open()
+        errors: list[Exception | None] = [None] * len(refs)
+        if not refs:
+            return errors
+        res, _, fds, offs = self._submit(OP_WRITE, refs, stage_slots)
+        return self._write_errors(refs, res, fds, offs, durable)
+
+    def _write_errors(self, refs, res, fds, offs, durable: bool) -> list[Exception | None]:
+        """Per-ref write outcome; with `durable`, one fdatasync per file written."""
+        errors: list[Exception | None] = [None] * len(refs)
+        for i in np.flatnonzero(res < 0):
+            errors[i] = self._error(OP_WRITE, res[i], fds[i], offs[i], refs[i])
+        if durable:
+            self._fdatasync(refs, fds, errors)
+        return errors
+
+    def _fdatasync(self, refs, fds, errors: list) -> None:
+        """fdatasync every file that a successful write of `refs` touched (one op per
+        file, as one ring batch); a failed sync fails every write to its file
+        (`errors` is updated in place: fds[i] is the file of refs[i])."""
+        touched = sorted({int(fds[i]) for i in range(len(refs)) if errors[i] is None})
+        if not touched:
+            return
+        sres = self.ring.submit(2, touched, None, None, None)
+        bad = {touched[i]: -int(sres[i]) for i in np.flatnonzero(sres < 0)}
+        if not bad:
+            return
+        for i in range(len(refs)):
+            if errors[i] is None and int(fds[i]) in bad:
+                err = bad[int(fds[i])]
+                errors[i] = OSError(err, f"fdatasync after writing slot {refs[i].slot} failed: "
+                                    f"{os.strerror(err)}")
+
+    def read_staged(self, refs: Sequence[SlotRef], stage_slots: Sequence[int], *,
+                    verify: str = "checksum") -> list[Exception | None]:
+        """Read refs[i] into staging slot stage_slots[i] and verify it.
+
+        None per verified slot; an OSError or CorruptSlot otherwise (never both data and
+        an error: a failed slot's staging bytes must not be used).
+        """
+        self._check_open()
+        _check_choice("verify", verify, VERIFY_MODES)
+        check_payload = verify == "checksum"
+        errors: list[Exception | None] = [None] * len(refs)
+        if not refs:
+            return errors
+        res, status, fds, offs = self._submit(OP_READ, refs, stage_slots, _VERIFY_CODE[verify])
+        return self._verify(refs, stage_slots, res, status, fds, offs, check_payload)
+
+    def _submitter(self):
+        # One background thread drives the ring while this thread prepares or verifies
+        # the other half of staging: Ring.submit runs its whole submit/reap loop without
+        # the GIL, so disk and CPU work overlap (one submit in flight at a time, so the
+        # ring is never used by two threads at once).
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvstore-ring-r{self.rank}")
+        return self._pool
+
+    def _pipeline(self, nchunks: int, ring_op, after, before=None, *, overlap: bool) -> None:
+        """The double buffer of every batch loop (writes, reads, scans).
+
+        Chunk k is prepared by `before(k)` (this thread; writes fill its staging), moved
+        by `ring_op(k)` and finished by `after(k, result)` (this thread; reads verify
+        and drain it). With `overlap` (two staging areas, chunk k in area k % 2) the ring
+        op runs on the ring thread while this thread finishes chunk k-1 and prepares
+        chunk k+1; an area is reused two chunks later, after its `after` returned.
+        Without it (one area, or one chunk: nothing to overlap) everything runs here, in
+        order. The ring is used by one thread at a time, and no ring op is still running
+        when this returns or raises.
+        """
+        if not overlap or nchunks < 2:
+            for k in range(nchunks):
+                if before is not None:
+                    before(k)
+                after(k, ring_op(k))
+            return
+        pool = self._submitter()
+        inflight: list = []   # (k, future), oldest first, at most two
+        try:
+            for k in range(nchunks):
+                if before is not None:
+                    before(k)
+                inflight.append((k, pool.submit(ring_op, k)))
+                if len(inflight) == 2:
+                    j, fut = inflight.pop(0)
+                    after(j, fut.result())
+            while inflight:
+                j, fut = inflight.pop(0)
+                after(j, fut.result())
+        finally:
+            for _, fut in inflight:   # before/after raised: let the ring thread finish first
+                _settle(fut)
+
+    def _halves(self, n: int):
+        """Chunks of refs and the staging half each one uses (double buffering)."""
+        half = max(1, self.staging_slots // 2)
+        for k, start in enumerate(range(0, n, half)):
+            base = (k % 2) * half if self.staging_slots >= 2 else 0
+            yield start, min(n, start + half), base
+
+    def write_blocks(self, refs: Sequence[SlotRef], fill: Callable[[int, int, list[np.ndarray]], None],
+                     *, durable: bool = True) -> list[Exception | None]:
+        """Write blocks: `fill(start, stop, views)` puts payloads of refs[start:stop] into views.
+
+        Returns one entry per ref: None when the slot is written (and durable), else the
+        error. Double-buffered: the next chunk is filled while the previous one is stamped
+        and written by the ring; one fdatasync per touched file at the end.
+        """
+        self._check_open()
+        errors: list[Exception | None] = [None] * len(refs)
+        fds_all = np.full(len(refs), -1, dtype=np.int64)
+        chunks = list(self._halves(len(refs)))
+
+        def before(k):
+            start, stop, base = chunks[k]
+            fill(start, stop, [self.payload_view(i) for i in range(base, base + stop - start)])
+
+        def ring_op(k):
+            start, stop, base = chunks[k]
+            return self._submit(OP_WRITE, refs[start:stop], range(base, base + stop - start))
+
+        def after(k, result):
+            start, stop, _ = chunks[k]
+            res, _, fds, offs = result
+            fds_all[start:stop] = fds
+            for i in np.flatnonzero(res < 0):
+                errors[start + i] = self._error(OP_WRITE, res[i], fds[i], offs[i], refs[start + i])
+
+        self._pipeline(len(chunks), ring_op, after, before, overlap=self.staging_slots >= 2)
+        if durable:
+            self._fdatasync(refs, fds_all, errors)
+        return errors
+
+    def read_blocks(self, refs: Sequence[SlotRef], drain: Callable[[int, int, list[np.ndarray], list], None],
+                    *, verify: str = "checksum") -> list[Exception | None]:
+        """Read and verify blocks; `drain(start, stop, views, errors)` consumes the payloads.
+
+        `errors[i]` (for refs[start + i]) is None for a verified block and the error
+        otherwise; drain must not use the view of a failed block. Double-buffered: the
+        next chunk is read while this one is verified and drained.
+        """
+        half = max(1, self.staging_slots // 2)
+        # Chunks small enough that even one request's prefix is split in a few (so its
+        # verification and copy-out overlap the next chunk's read), but never below the
+        # ring's queue depth (or the device would idle between chunks).
+        n = len(refs)
+        chunk = max(1, min(half, max(self.ring.queue_depth if self.ring else 32, -(-n // 4))))
+        areas = [list(range(chunk))] if self.staging_slots < 2 else [list(range(chunk)), list(range(half, half + chunk))]
+
+        def consume(start, stop, slots, errs):
+            drain(start, stop, [self.payload_view(i) for i in slots], errs)
+        return self.read_pipelined(refs, areas, consume, verify=verify)
+
+    def read_pipelined(self, refs: Sequence[SlotRef], areas: Sequence[Sequence[int]],
+                       consume: Callable[[int, int, Sequence[int], list], None], *,
+                       verify: str = "checksum") -> list[Exception | None]:
+        """Read refs through one or two staging areas (lists of staging slots), verified.
+
+        Chunk k goes to areas[k % len(areas)]; with two areas the read of chunk k+1 runs
+        on the ring thread while `consume(start, stop, stage_slots, errors)` handles chunk
+        k here. The ring is used by one thread at a time: every future is resolved before
+        this returns.
+        """
+        self._check_open()
+        _check_choice("verify", verify, VERIFY_MODES)
+        step = min(len(a) for a in areas)
+        plan = [(start, min(len(refs), start + step), areas[k % len(areas)][:step])
+                for k, start in enumerate(range(0, len(refs), step))]
+        errors: list[Exception | None] = []
+        vcode = _VERIFY_CODE[verify]
+
+        def ring_op(k):
+            start, stop, slots = plan[k]
+            return self._submit(OP_READ, refs[start:stop], slots[:stop - start], vcode)
+
+        def after(k, result):
+            start, stop, slots = plan[k]
+            res, status, fds, offs = result
+            chunk = refs[start:stop]
+            used = slots[:len(chunk)]
+            chunk_errors = self._verify(chunk, used, res, status, fds, offs, verify == "checksum")
+            consume(start, stop, used, chunk_errors)
+            errors.extend(chunk_errors)
+
+        self._pipeline(len(plan), ring_op, after, overlap=len(areas) > 1)
+        return errors
+
+    def _verify(self, refs, stage_slots, res, status, fds, offs, check_payload) -> list[Exception | None]:
+        """Errors of a checked read batch into staging slots."""
+        def parts(i):
+            img = self.slot_view(stage_slots[i])
+            return img[:HEADER_SIZE], img[HEADER_SIZE:]
+        return self._read_errors(refs, res, status, fds, offs, parts, check_payload)
+
+    def _read_errors(self, refs, res, status, fds, offs, parts, check_payload) -> list[Exception | None]:
+        """Per-slot errors of a read batch: None, the OSError of a failed read, or, for a
+        slot the ring's C checker refused (SlotCheck code in `status`), the CorruptSlot
+        that decoding the same bytes in Python raises (`parts(i)`: header, payload views)."""
+        out: list[Exception | None] = [None] * len(refs)
+        for i in np.flatnonzero((res < 0) | (status != 0)):
+            ref = refs[i]
+            if res[i] < 0:
+                out[i] = self._error(OP_READ, res[i], fds[i], offs[i], ref)
+                continue
+            header, payload = parts(i)
+            try:
+                _slotfile.verify_parts(header, payload, ref.key, ref.slot, ref.generation,
+                                       self.payload_len, check_payload)
+                out[i] = CorruptSlot(f"slot {ref.slot}: refused by the slot checker "
+                                     f"(code {int(status[i])})", key=ref.key, slot=ref.slot)
+            except CorruptSlot as exc:
+                out[i] = exc
+        return out
+
+    # -- slots whose payload lives in caller memory (no staging copy) ----------------
+    def _header_pool(self) -> HostBuffer:
+        """Header memory of caller-memory transfers: HEADER_BATCH headers, allocated once
+        (so it can stay registered with the ring)."""
+        if self._headers is None:
+            self._headers = HostBuffer(max(1, self.HEADER_BATCH) * HEADER_SIZE)
+        return self._headers
+
+    def register_memory(self, *buffers) -> bool:
+        """Register caller memory that write_from/read_into will move slots from/into
+        (writable, C-contiguous; e.g. the rows of a pinned host region), together with
+        staging and kvstore's header memory. Slots whose payload lies in it then move as
+        two fixed-buffer ops (header, payload) instead of a readv/writev: the kernel pins
+        those pages once here instead of on every I/O. Replaces earlier registrations;
+        call it while this RankIO has no I/O in flight, and keep the memory alive until
+        `unregister_memory()` or close. Returns False (and keeps plain I/O) when the
+        kernel refuses the registration."""
+        self._check_open()
+        buffers = [_host_array(b) for b in buffers]
+        for b in buffers:
+            try:
+                readonly = memoryview(b).readonly
+            except TypeError:
+                raise TypeError(f"register_memory takes host memory (numpy arrays, mmap, CPU "
+                                f"tensors), not {type(b).__name__}") from None
+            if readonly:
+                raise TypeError("register_memory needs writable memory (the kernel pins it "
+                                "for both directions); pass read-only sources to write_from "
+                                "unregistered")
+        ok = self.ring.register_buffers([self.staging.buffer, self._header_pool(), *buffers])
+        if not ok:
+            self.ring.register_buffers([self.staging.buffer])
+        return ok
+
+    def unregister_memory(self) -> None:
+        """Drop caller memory registered with `register_memory` (staging stays)."""
+        self._check_open()
+        self.ring.register_buffers([self.staging.buffer])
+
+    def _payload_addrs(self, payloads, n: int, writable: bool):
+        """Addresses of n caller payload buffers, each checked: C-contiguous, holding the
+        payload's transfer length (rounded up to 4096) and, for O_DIRECT, 4096-aligned.
+        `payloads` is a 2-D array (one row per block) or a sequence of buffers."""
+        io_len = self.slot_size - HEADER_SIZE
+        direct = self._direct
+        payloads = _host_array(payloads)
+        if isinstance(payloads, np.ndarray) and payloads.ndim != 2:
+            raise ValueError(f"payloads must be a 2-D array with one row per block, or a sequence "
+                             f"of per-block buffers; got a {payloads.ndim}-D array of shape "
+                             f"{payloads.shape}")
+        if isinstance(payloads, np.ndarray):
+            arr = payloads
+            if arr.shape[0] != n:
+                raise ValueError(f"{arr.shape[0]} payload rows for {n} blocks")
+            if arr.dtype.hasobject:
+                raise TypeError("payload memory must hold plain numbers, not Python objects")
+            row = arr.shape[1] * arr.itemsize
+            if arr.strides[1] != arr.itemsize or row < io_len:
+                raise AlignmentError(
+                    f"payload rows must be contiguous and hold {io_len} bytes (the {self.payload_len}"
+                    f"-byte payload rounded up to 4096); got rows of {row} bytes")
+            if n > 1 and arr.strides[0] < max(row, io_len):
+                raise AlignmentError(f"payload rows overlap or run backwards (row stride "
+                                     f"{arr.strides[0]} for {io_len}-byte transfers)")
+            if writable and not arr.flags.writeable:
+                raise ValueError("payload array is read-only; reads need writable memory")
+            base = arr.__array_interface__["data"][0]
+            addrs = np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(arr.strides[0])
+            if direct and (base % HEADER_SIZE or arr.strides[0] % HEADER_SIZE):
+                raise AlignmentError(
+                    f"payload rows at 0x{base:x} with stride {arr.strides[0]} are not 4096-aligned, "
+                    "which O_DIRECT needs: allocate them with kvstore.HostBuffer (or mmap), or "
+                    "open the store with io_mode='page_cache'")
+            return addrs, arr
+        if payloads is None or isinstance(payloads, (bytes, bytearray, memoryview)):
+            raise ValueError("payloads must be a 2-D array with one row per block, or a sequence "
+                             f"of per-block buffers; got {type(payloads).__name__}")
+        bufs = [_host_array(b) for b in payloads]
+        if len(bufs) != n:
+            raise ValueError(f"{len(bufs)} payload buffers for {n} blocks")
+        views = []
+        addrs = np.empty(n, dtype=np.uint64)
+        for i, b in enumerate(bufs):
+            mv = memoryview(b)
+            if "O" in mv.format:
+                raise TypeError(f"payload buffer {i} holds Python objects; pass plain memory")
+            if writable and mv.readonly:
+                raise ValueError(f"payload buffer {i} is read-only; reads need writable memory")
+            if not mv.c_contiguous or mv.nbytes < io_len:
+                raise AlignmentError(
+                    f"payload buffer {i} must be contiguous and hold {io_len} bytes (the "
+                    f"{self.payload_len}-byte payload rounded up to 4096); got {mv.nbytes}")
+            a = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
+            addr = a.__array_interface__["data"][0]
+            if direct and addr % HEADER_SIZE:
+                raise AlignmentError(
+                    f"payload buffer {i} at 0x{addr:x} is not 4096-aligned, which O_DIRECT "
+                    "needs: allocate it with kvstore.HostBuffer (or mmap), or open the store "
+                    "with io_mode='page_cache'")
+            addrs[i] = addr
+            views.append(a)
+        return addrs, views
+
+    def _caller_chunks(self, refs, payloads, writable):
+        addrs, keep = self._payload_addrs(payloads, len(refs), writable)
+        hdrs = self._header_pool()
+        step = max(1, min(self.HEADER_BATCH, hdrs.nbytes // HEADER_SIZE))
+        hbase = np.uint64(hdrs.address) + np.arange(min(len(refs), step), dtype=np.uint64) * np.uint64(HEADER_SIZE)
+        for start in range(0, len(refs), step):
+            stop = min(len(refs), start + step)
+            yield start, stop, hbase[:stop - start], addrs[start:stop]
+        del keep  # the caller's buffers stay referenced until every chunk has moved
+
+    HEADER_BATCH = 1024   # slots per ring batch for caller-memory transfers (4 MiB of headers)
+
+    def write_from(self, refs: Sequence[SlotRef], payloads, *, durable: bool = True) -> list[Exception | None]:
+        """Write blocks straight from caller memory (no staging copy).
+
+        `payloads`: a 2-D array with one row per ref, or a sequence of buffers, each
+        holding the payload rounded up to 4096 bytes (4096-aligned for O_DIRECT). The ring
+        stamps each header and writes header + payload as one writev. Returns None per
+        written (durable) ref, else the error.
+        """
+        self._check_open()
+        errors: list[Exception | None] = [None] * len(refs)
+        for start, stop, hdrs, pays in self._caller_chunks(refs, payloads, writable=False):
+            chunk = refs[start:stop]
+            res, _, fds, offs = self._slot_io(OP_WRITE, chunk, hdrs, pays, 0)
+            errors[start:stop] = self._write_errors(chunk, res, fds, offs, durable)
+        return errors
+
+    def read_into(self, refs: Sequence[SlotRef], payloads, *, verify: str = "checksum") -> list[Exception | None]:
+        """Read and verify blocks straight into caller memory (no staging copy).
+
+        `payloads` as for `write_from` (writable). Each slot is one readv (header into
+        kvstore's header memory, payload into the caller's buffer), checked by the ring as
+        it completes. Returns None per verified block, else its OSError or CorruptSlot: the
+        caller's bytes for a failed block are undefined and must not be used.
+        """
+        self._check_open()
+        _check_choice("verify", verify, VERIFY_MODES)
+        check_payload = verify == "checksum"
+        errors: list[Exception | None] = [None] * len(refs)
+        for start, stop, hdrs, pays in self._caller_chunks(refs, payloads, writable=True):
+            chunk = refs[start:stop]
+            res, status, fds, offs = self._slot_io(OP_READ, chunk, hdrs, pays, _VERIFY_CODE[verify])
+
+            def parts(i, pays=pays):
+                return (self._headers.numpy()[i * HEADER_SIZE:(i + 1) * HEADER_SIZE],
+                        _view_at(int(pays[i]), self.payload_len))
+            errors[start:stop] = self._read_errors(chunk, res, status, fds, offs, parts, check_payload)
+        return errors
+
+    def read_headers(self, slots: Sequence[int]) -> list:
+        """Read slot headers only (for fsck): SlotHeader, or the exception, per slot."""
+        self._check_open()
+        out = []
+        # A header is the first 4096 bytes; read whole slots only when needed (fsck --deep).
+        step = self.staging.nbytes // HEADER_SIZE
+        stage_np = self.staging.numpy()
+        for start in range(0, len(slots), step):
+            chunk = list(slots[start:start + step])
+            fds, offs = self._locate(chunk)
+            n = len(chunk)
+            addrs = self.staging.address + np.arange(n, dtype=np.uint64) * np.uint64(HEADER_SIZE)
+            res = self.ring.submit(OP_READ, fds, offs, addrs, np.full(n, HEADER_SIZE, np.uint32))
+            for i, s in enumerate(chunk):
+                if res[i] < 0:
+                    out.append(OSError(-int(res[i]), os.strerror(-int(res[i]))))
+                    continue
+                try:
+                    out.append(_slotfile.decode_header(stage_np[i * HEADER_SIZE:(i + 1) * HEADER_SIZE], s))
+                except CorruptSlot as exc:
+                    out.append(exc)
+        return out
+
+    def scan_slots(self, slots: Sequence[int], consume: Callable[[int, int, list[np.ndarray], np.ndarray], None],
+                   *, overlap: bool = True) -> None:
+        """Read whole slot images (header + payload) of `slots`, unverified (fsck --deep,
+        index rebuild): `consume(start, stop, images, results)` gets uint8 views of the
+        images of slots[start:stop] (valid only during the call) and, per slot, the bytes
+        read or -errno. With `overlap`, staging memory is split in two halves and the ring
+        reads the next batch on a helper thread while `consume` runs on this one, so a
+        checksumming consumer does not leave the device idle. The ring is only ever used
+        by one thread at a time.
+        """
+        self._check_open()
+        slots = np.asarray(slots, dtype=np.int64)
+        n = len(slots)
+        if n == 0:
+            return
+        per = self.staging_slots // 2 if overlap and self.staging_slots >= 2 else self.staging_slots
+        lens = np.full(per, self.slot_size, dtype=np.uint32)
+
+        two = per < self.staging_slots   # two areas of `per` slots: overlap
+
+        def base(k):
+            return (k % 2) * per if two else 0
+
+        def ring_op(k):
+            chunk = slots[k * per:(k + 1) * per]
+            fds, offs = self._locate(chunk)
+            addrs = self.staging.address + (np.arange(base(k), base(k) + len(chunk), dtype=np.uint64)
+                                            * np.uint64(self.slot_size))
+            return self.ring.submit(OP_READ, fds, offs, addrs, lens[:len(chunk)])
+
+        def after(k, res):
+            start, stop = k * per, min(n, (k + 1) * per)
+            consume(start, stop, [self.slot_view(base(k) + j) for j in range(stop - start)], res)
+
+        self._pipeline(-(-n // per), ring_op, after, overlap=two)
