@@ -80,6 +80,15 @@ class Zygote:
             out.append(line)
         return out
 
+    def lines_until(self, marker: str, timeout: float) -> list[str]:
+        """Every line up to and including `marker` (or all that came within `timeout`)."""
+        out, deadline = [], time.monotonic() + timeout
+        while (line := self.readline(max(0.0, deadline - time.monotonic()))) is not None:
+            out.append(line)
+            if line == marker:
+                break
+        return out
+
     def fork(self, passes: int) -> tuple[int, list[str]]:
         """Start a server; returns its pid (and any line it printed before the reply)."""
         self._send(f"fork {passes}")

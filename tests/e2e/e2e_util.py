@@ -34,7 +34,8 @@ class Serve:
         kv = None if store is None else connector_config(str(store), **{"capacity": "256M", **(extra or {})})
         s = VLLMServer(model=kw.pop("model", self.model_dir), python=self.engine[0],
                        log_path=str(self.logs / f"{self.name}-{len(self.servers)}.log"),
-                       kv_transfer_config=kv, dtype=SERVE_DTYPE, max_model_len=4096, **kw)
+                       kv_transfer_config=kv, dtype=SERVE_DTYPE,
+                       max_model_len=kw.pop("max_model_len", 4096), **kw)
         self.servers.append(s)
         return s
 

@@ -185,7 +185,7 @@ def test_small_kv_cache_preemptions_identical_tokens(serve, workload, reference,
     with serve.running() as s:
         ref = [Client(s.url).complete(r.prompt, max_tokens=48) for r in long]
     for phase in range(2):
-        with serve.running(store, extra_args=["--num-gpu-blocks-override", "40"]) as s:
+        with serve.running(store, max_model_len=1024, extra_args=["--num-gpu-blocks-override", "40"]) as s:
             out: dict[int, object] = {}
 
             def one(i, r, url=s.url):
