@@ -179,18 +179,22 @@ def test_sigkill_while_storing_then_fsck_clean_and_identical_tokens(serve, workl
 
 def test_small_kv_cache_preemptions_identical_tokens(serve, workload, reference, tmp_path):
     store = tmp_path / "store"
-    # 40 blocks of 32 tokens for several concurrent ~700-token prompts that each grow by 48
-    # output tokens: vLLM preempts (and later resumes) requests.
-    long = [r for r in workload.requests if r.kind == "document"]
-    with serve.running() as s:
-        ref = [Client(s.url).complete(r.prompt, max_tokens=48) for r in long]
+    # 40 blocks of 32 tokens; four concurrent ~300-token prompts (10 blocks each) fill them,
+    # and each then grows by 320 output tokens (10 more blocks): vLLM must preempt.
+    import random
+    rng = random.Random(5)
+    vocab = workload.system.split()
+    prompts = [" ".join(rng.choice(vocab) for _ in range(300)) for _ in range(4)]
+    out_tokens = 320
+    with serve.running(max_model_len=1024) as s:
+        ref = [Client(s.url).complete(p, max_tokens=out_tokens) for p in prompts]
     for phase in range(2):
         with serve.running(store, max_model_len=1024, extra_args=["--num-gpu-blocks-override", "40"]) as s:
             out: dict[int, object] = {}
 
-            def one(i, r, url=s.url):
-                out[i] = Client(url).complete(r.prompt, max_tokens=48)
-            threads = [threading.Thread(target=one, args=(i, r)) for i, r in enumerate(long)]
+            def one(i, p, url=s.url):
+                out[i] = Client(url).complete(p, max_tokens=out_tokens)
+            threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
             for th in threads:
                 th.start()
             for th in threads:
@@ -198,9 +202,9 @@ def test_small_kv_cache_preemptions_identical_tokens(serve, workload, reference,
             wait_stored(s)
             m = s.metrics()
         assert m.get("vllm:num_preemptions_total", 0) > 0, "no preemption happened"
-        for i, r in enumerate(long):
-            assert out[i].token_ids == ref[i].token_ids, f"phase {phase} {r.name}"
-    assert m["vllm:kvstore_hit_tokens_total"] > 0
+        for i in range(len(prompts)):
+            assert out[i].token_ids == ref[i].token_ids, f"phase {phase} prompt {i}"
+    assert m["vllm:kvstore_hit_tokens_total"] > 0, "the second run did not load from disk"
     code, doc = fsck(store, "--deep")
     assert code == 0 and doc["findings"] == [], doc
 
@@ -249,10 +253,14 @@ def test_warmup_with_the_real_engine_then_a_fresh_server_answers_from_disk(
 @pytest.mark.parametrize("tp", [2])
 def test_tensor_parallel_on_the_cpu_build(serve, workload, reference, tmp_path, tp):
     store = tmp_path / "store"
-    with serve.running(store, extra_args=["--tensor-parallel-size", str(tp)]) as s:
+    # The CPU build binds each TP worker's OpenMP threads to a NUMA node and refuses two
+    # workers on one node unless told which cores each gets.
+    binding = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % os.cpu_count()) for i in range(tp))}
+    tp_args = ["--tensor-parallel-size", str(tp)]
+    with serve.running(store, extra_args=tp_args, env=binding) as s:
         assert_same(reference, replay(s, workload), workload)
         wait_stored(s)
-    with serve.running(store, extra_args=["--tensor-parallel-size", str(tp)]) as s:
+    with serve.running(store, extra_args=tp_args, env=binding) as s:
         m0 = s.metrics()
         assert_same(reference, replay(s, workload), workload)
         k, v = hits(m0, s.metrics())
