@@ -33,8 +33,8 @@ def test_prefix_reuse_across_requests(tmp_path):
         h.step()
         s = sched(h)
         assert set(s._inflight_loads) == set(rids)
-        assert s.store.pinned_slots == 6
-        assert set(s.store._pins.values()) == {3}
+        assert s.index.pinned_slots == 6
+        assert set(s.index._pins.values()) == {3}
         h.drain()
         st = h.stats
         loads_ok(st)
@@ -78,7 +78,7 @@ def test_skip_reading_prefix_cache_never_loads(tmp_path):
         h.add_request(p, max_tokens=1, skip_reading_prefix_cache=True)
         h.drain()
         assert h.stats["external_hit_tokens"] == 0 and h.stats["blocks_loaded"] == 0
-        assert sched(h).store.pinned_slots == 0
+        assert sched(h).index.pinned_slots == 0
         assert conn_stats(h)["hit_blocks"] == 0   # not even looked up
 
 
@@ -124,7 +124,7 @@ def test_lru_eviction_spares_pinned_blocks(tmp_path):
         set_injector(h, gate)
         ra = h.add_request(a, max_tokens=1)   # A's slots pinned for the load ...
         h.step()
-        assert sched(h).store.pinned_slots == 4
+        assert sched(h).index.pinned_slots == 4
         h.add_request(c, max_tokens=1)        # ... while C's store needs 4 slots
         h.step()
         h.step()
@@ -177,7 +177,7 @@ def test_full_store_drops_stores_and_keeps_serving(tmp_path):
         set_injector(h, gate)
         h.add_request(a, max_tokens=1)          # pins all 4 slots
         h.step()
-        assert sched(h).store.pinned_slots == 4
+        assert sched(h).index.pinned_slots == 4
         s0 = conn_stats(h)
         assert s0["stored_blocks"] == 4 and s0["store_dropped_blocks"] == 0
         rc = h.add_request(c, max_tokens=3)
@@ -225,7 +225,7 @@ def test_reset_cache_with_stores_and_loads_in_flight(tmp_path):
         assert s.store.stats()["used_slots"] == 0
         a_slots = {r.slot for r in s._inflight_loads[ra][1]}
         b_slots = {e.slot for e in pre_reset if e.key in set(keys_of(h, b))}
-        assert s.store.pinned_slots == 4
+        assert s.index.pinned_slots == 4
         # A store planned after the reset reuses freed slots, but never the ones the
         # load still reads.
         jobs_before = set(s._inflight_stores)

@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from kvstore.index import Index
+from kvstore.index_maint import bulk_load
 
 DEFAULT_ENTRIES = [100_000, 1_000_000, 10_000_000]
 CHAIN = 1000
@@ -37,7 +38,7 @@ def _build(path: str, n: int, keys: np.ndarray) -> float:
     t0 = time.perf_counter()
     ix = Index(path, n, create=True, sync=False, map_size=max(1 << 30, n * 600))
     buf = keys.tobytes()
-    ix.bulk_load(((buf[i * 32:(i + 1) * 32], i, i + 1) for i in range(n)),
+    bulk_load(ix, ((buf[i * 32:(i + 1) * 32], i, i + 1) for i in range(n)),
                  keys_sorted=True, batch=500_000)
     ix.close()
     return time.perf_counter() - t0
@@ -129,7 +130,8 @@ _COLS = [("entries", "entries", "{:>10}"), ("prefix1000_p50_ms", "pfx p50 ms", "
 
 def run(entries: list[int] | None = None, json_out: bool = False, tmpdir: str | None = None
         ) -> dict:
-    """Build an index per size in `entries`, measure, print a table (or JSON), return
+    """Build an index per size in `entries`, measure, print the table rows as they come
+    (unless json_out: then nothing is printed, the caller prints the JSON), return
     {"results": [...]}. Scratch indexes go under tmpdir (default: a temp dir) and are removed."""
     entries = list(entries or DEFAULT_ENTRIES)
     root = tempfile.mkdtemp(prefix="kvstore-index-bench-", dir=tmpdir)
@@ -145,10 +147,7 @@ def run(entries: list[int] | None = None, json_out: bool = False, tmpdir: str | 
                 print("  ".join(fmt.format(res[k]) for k, _, fmt in _COLS), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    out = {"results": results}
-    if json_out:
-        print(json.dumps(out, indent=2))
-    return out
+    return {"results": results}
 
 
 if __name__ == "__main__":
@@ -158,4 +157,6 @@ if __name__ == "__main__":
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--tmpdir")
     a = ap.parse_args()
-    run(a.entries or None, a.json, a.tmpdir)
+    res = run(a.entries or None, a.json, a.tmpdir)
+    if a.json:
+        print(json.dumps(res, indent=2))
