@@ -69,8 +69,8 @@ class ServingIndex:
         self.store = store
         self.index = store._writable()
         self.capacity = self.index.capacity_slots
-        # The pool may hold at most a quarter of a small store: its slots hold no data.
-        self.pool_target = max(1, min(pool_target, self.capacity // 4))
+        # The pool may hold at most half of a (tiny) store: its slots hold no data.
+        self.pool_target = max(1, min(pool_target, self.capacity // 2))
         self._lock = threading.Lock()
         self._pins: Counter = Counter()
         self._table = KeyTable(self.capacity)

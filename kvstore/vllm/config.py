@@ -29,13 +29,14 @@ class ConnectorConfig:
     max_store_blocks_per_step: int = 4096
     create: bool = True
     index_thread: bool = True
+    slot_pool: int | None = None
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "ConnectorConfig":
         extra = dict(extra or {})
         known = {"path", "capacity", "io_mode", "queue_depth", "store_policy", "verify",
                  "durability", "staging", "load_timeout_s", "max_store_blocks_per_step", "create",
-                 "index_thread"}
+                 "index_thread", "slot_pool"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kvstore: unknown kv_connector_extra_config key(s) {unknown}; "
@@ -83,6 +84,8 @@ class ConnectorConfig:
             max_store_blocks_per_step=integer("max_store_blocks_per_step", 4096, 1, 1 << 20),
             create=create,
             index_thread=index_thread,
+            slot_pool=None if extra.get("slot_pool") is None
+            else integer("slot_pool", None, 1, 1 << 24),
         )
 
 

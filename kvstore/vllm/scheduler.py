@@ -52,12 +52,16 @@ class KVStoreScheduler:
         self.events_enabled = events_enabled
         sc = vllm_config.scheduler_config
         self._lazy_target = 2 * -(-sc.max_num_batched_tokens // self.block_size)
-        # The pool holds two steps' worth of store slots (eager: blocks a step computes).
+        # The pool holds two steps' worth of store slots (eager: the blocks a step's
+        # tokens complete, one more per request), 256 at least; a quarter of the store
+        # at most (its slots hold no data).
         per_step = min(cfg.max_store_blocks_per_step,
-                       self._lazy_target if cfg.store_policy == "lazy" else self._lazy_target // 2)
+                       self._lazy_target if cfg.store_policy == "lazy"
+                       else self._lazy_target // 2 + sc.max_num_seqs)
         try:
             if cfg.index_thread:
-                self.index = ServingIndex(self.store, pool_target=2 * per_step)
+                self.index = ServingIndex(self.store, pool_target=cfg.slot_pool
+                                          or max(256, 2 * per_step))
             else:
                 self.index = SyncServingIndex(self.store)
         except BaseException:
@@ -377,8 +381,8 @@ class KVStoreScheduler:
         return False, None
 
     def has_pending_stores(self) -> bool:
-        if self._committing:
-            self._index_events()
+        # A store is pending until its commit's outcome is taken in a step (its stats and
+        # events are published with that step's output).
         return bool(self._inflight_stores) or self._committing > 0
 
     def reset_cache(self) -> bool:
