@@ -53,15 +53,16 @@ class KVStoreScheduler:
         sc = vllm_config.scheduler_config
         self._lazy_target = 2 * -(-sc.max_num_batched_tokens // self.block_size)
         # The pool holds two steps' worth of store slots (eager: the blocks a step's
-        # tokens complete, one more per request), 256 at least; a quarter of the store
-        # at most (its slots hold no data).
+        # tokens complete, one more per request), 16 at least, and an eighth of the store
+        # at most: its slots hold no data (`slot_pool` sets it, up to half the store).
         per_step = min(cfg.max_store_blocks_per_step,
                        self._lazy_target if cfg.store_policy == "lazy"
                        else self._lazy_target // 2 + sc.max_num_seqs)
+        cap = self.store.geometry.num_slots
+        pool = cfg.slot_pool or min(max(16, 2 * per_step), max(1, cap // 8))
         try:
             if cfg.index_thread:
-                self.index = ServingIndex(self.store, pool_target=cfg.slot_pool
-                                          or max(256, 2 * per_step))
+                self.index = ServingIndex(self.store, pool_target=pool)
             else:
                 self.index = SyncServingIndex(self.store)
         except BaseException:
