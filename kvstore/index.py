@@ -59,6 +59,7 @@ _MAX_SLOTS = 1 << 32
 _MIN_MAP = 1 << 24
 _REBUILD_HINT = "run `kvstore fsck --rebuild-index` to rebuild it from the slot files"
 _ITER_CHUNK = 4096
+_PAUSE_EVERY = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +145,10 @@ class Index:
         # fsyncs of the index by thread id: benchmarks prove which thread pays for them
         # (`kvstore bench connector` checks that vLLM's scheduler thread never does).
         self.fsyncs_by_thread: Counter = Counter()
+        # Called every _PAUSE_EVERY rows inside long write transactions (commit, touch,
+        # drop, reserve_pool) when set: the serving index's background thread releases
+        # the GIL there, so vLLM's scheduler thread never waits long for it.
+        self.pause = None
         data = os.path.join(self._path, "data.mdb")
         for p in (self._path, data, os.path.join(self._path, "lock.mdb")):
             # LMDB opens its files without O_NOFOLLOW: refuse links here, as every other
@@ -648,7 +653,7 @@ class Index:
                 if ok and last is not None and cur.key() == last:
                     ok = cur.next()     # `last` was refused and is still there
                 rows = []
-                while ok and len(rows) < n - len(slots):
+                while ok and len(rows) < min(n - len(slots), _PAUSE_EVERY):
                     last = cur.key()
                     rows.append(last)
                     ok = cur.next()
@@ -657,6 +662,8 @@ class Index:
                 yield rows
                 if not ok:
                     return
+                if self.pause is not None:
+                    self.pause()
 
         slots: list[int] = []
         for rows in batches(self._free):
@@ -759,7 +766,10 @@ class Index:
         tick = self._get(txn, b"tick")
         skipped = []
         dups = 0
-        for item in reversed(items):
+        pause = self.pause
+        for n, item in enumerate(reversed(items)):
+            if pause is not None and n and n % _PAUSE_EVERY == 0:
+                pause()
             key, slot, gen = item
             sk = _U32.pack(slot)
             r = get(sk, db=rdb)
@@ -841,7 +851,10 @@ class Index:
         kdb, ldb = self._keys, self._lru
         tick = self._get(txn, b"tick")
         unpack, pack, lru = _VAL.unpack, _VAL.pack, _LRU.pack
-        for k in reversed(keys):
+        pause = self.pause
+        for n, k in enumerate(reversed(keys)):
+            if pause is not None and n and n % _PAUSE_EVERY == 0:
+                pause()
             v = get(k, db=kdb)
             if v is None:
                 continue
@@ -860,7 +873,10 @@ class Index:
 
     def _drop_txn(self, txn, keys):
         out = []
-        for k in keys:
+        pause = self.pause
+        for n, k in enumerate(keys):
+            if pause is not None and n and n % _PAUSE_EVERY == 0:
+                pause()
             v = txn.pop(k, db=self._keys)
             if v is None:
                 continue

@@ -42,10 +42,9 @@ from kvstore.index import Entry
 
 log = logging.getLogger("kvstore.serving")
 
-# LMDB work is done in pieces of at most this many keys, and the index thread releases the
-# GIL for a moment between pieces: a long transaction in pure Python would otherwise keep
-# the step thread waiting for the GIL up to the interpreter's switch interval (5 ms).
-CHUNK = 128
+# Inside its LMDB transactions the index thread sleeps this long every few dozen rows
+# (`Index.pause`): the GIL is then free for the step thread, which would otherwise wait for
+# it up to the interpreter's switch interval (5 ms) while the index thread runs Python.
 _YIELD_S = 0.0001
 
 
@@ -84,6 +83,7 @@ class ServingIndex:
         self._gauges = self._read_gauges()
         self.build_s = 0.0
         self._refill(sync=True)     # stores can start before the table is built
+        self.index.pause = self._yield
         self._thread = threading.Thread(target=self._run, name="kvstore-index", daemon=True)
         self._thread.start()
 
@@ -217,6 +217,7 @@ class ServingIndex:
         self._closed = True
         self._ops.put(("stop",))
         self._thread.join(timeout=120)
+        self.index.pause = None
         if self._thread.is_alive():
             log.error("kvstore: index thread still busy after 120s at shutdown; its "
                       "reservations are reclaimed at the next open")
@@ -321,7 +322,7 @@ class ServingIndex:
     def _refill(self, sync: bool = False) -> None:
         while len(self._pool) < self.pool_target:
             removed: list = []
-            n = min(CHUNK * 2, self.pool_target - len(self._pool))
+            n = self.pool_target - len(self._pool)
             try:
                 got, evicted = self.index.reserve_pool(n, self._claim(removed))
             except BaseException:
@@ -334,8 +335,6 @@ class ServingIndex:
                 self._post(IndexEvent("evicted", keys=[e.key for e in evicted]))
             if len(got) < n:
                 return      # everything left is pinned or reserved: try again later
-            if not sync:
-                self._yield()
 
     def _commit(self, good: list[SlotRef], bad: list[SlotRef], tag) -> None:
         failed = len(bad)
@@ -343,11 +342,9 @@ class ServingIndex:
             if bad:
                 self.index.abort([(r.key, r.slot, r.generation) for r in bad])
             skipped = set()
-            for i in range(0, len(good), CHUNK):
-                part = [(r.key, r.slot, r.generation) for r in good[i:i + CHUNK]]
-                skipped.update(self.index.commit(part, sync=False))
-                self._yield()
             if good:
+                skipped.update(self.index.commit([(r.key, r.slot, r.generation) for r in good],
+                                                 sync=False))
                 self.index.sync()   # durable before any of it becomes a hit
             live = [r for r in good if (r.key, r.slot, r.generation) not in skipped]
             failed += len(good) - len(live)
@@ -373,15 +370,12 @@ class ServingIndex:
             time.sleep(0.05)
 
     def _touch(self, keys: list[bytes]) -> None:
-        for i in range(0, len(keys), CHUNK):
-            self.index.touch(keys[i:i + CHUNK])
-            self._yield()
+        self.index.touch(keys)
 
     def _drop(self, keys: list[bytes]) -> None:
         dropped: list[Entry] = []
-        for i in range(0, len(keys), CHUNK):
-            dropped.extend(self.index.drop(keys[i:i + CHUNK]))
-            self._yield()
+        for i in range(0, len(keys), 10000):
+            dropped.extend(self.index.drop(keys[i:i + 10000]))
         with self._lock:
             for e in dropped:
                 self._table.remove(e.key, e.slot)
@@ -448,9 +442,6 @@ class SyncServingIndex(ServingIndex):
             self.index.abort([(r.key, r.slot, r.generation) for r in refs])
         except KVStoreError:
             pass
-
-    def _yield(self):
-        pass
 
     def abort(self, refs):
         if refs:
