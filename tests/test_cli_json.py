@@ -34,12 +34,12 @@ ARGS = {
     ("bench", "connector"): ["--index-entries", "1000", "--requests", "2", "--prompt-tokens",
                              "64", "--no-baseline"],
     ("bench", "soak"): ["--requests", "40", "--interval", "20"],
-    ("bench", "peers"): ["--size", "4M", "--block-sizes", "128K", "--rounds", "1", "--samples",
-                         "1", "--prefix-blocks", "8", "--staging", "4M"],
+    ("bench", "peers"): ["--size", "16M", "--block-sizes", "128K", "--rounds", "1", "--samples",
+                         "2", "--prefix-blocks", "16"],
     ("info",): ["{src}"],
     ("fsck",): ["{src}"],
     ("warmup",): ["{dst}", "--from-store", "{src}", "--all"],
-    ("demo",): ["--sessions", "1", "--gpu-blocks", "64"],
+    ("demo",): ["--sessions", "1"],
 }
 MAY_FAIL = {("bench", "soak")}
 
