@@ -59,7 +59,7 @@ _MAX_SLOTS = 1 << 32
 _MIN_MAP = 1 << 24
 _REBUILD_HINT = "run `kvstore fsck --rebuild-index` to rebuild it from the slot files"
 _ITER_CHUNK = 4096
-_PAUSE_EVERY = 32
+_PAUSE_EVERY = 64
 
 
 @dataclass(frozen=True, slots=True)

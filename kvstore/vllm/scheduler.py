@@ -52,14 +52,14 @@ class KVStoreScheduler:
         self.events_enabled = events_enabled
         sc = vllm_config.scheduler_config
         self._lazy_target = 2 * -(-sc.max_num_batched_tokens // self.block_size)
-        # The pool holds two steps' worth of store slots (eager: the blocks a step's
+        # The pool holds four steps' worth of store slots (eager: the blocks a step's
         # tokens complete, one more per request), 16 at least, and an eighth of the store
         # at most: its slots hold no data (`slot_pool` sets it, up to half the store).
         per_step = min(cfg.max_store_blocks_per_step,
                        self._lazy_target if cfg.store_policy == "lazy"
                        else self._lazy_target // 2 + sc.max_num_seqs)
         cap = self.store.geometry.num_slots
-        pool = cfg.slot_pool or min(max(16, 2 * per_step), max(1, cap // 8))
+        pool = cfg.slot_pool or min(max(16, 4 * per_step), max(1, cap // 8))
         try:
             if cfg.index_thread:
                 self.index = ServingIndex(self.store, pool_target=pool)
@@ -82,6 +82,7 @@ class KVStoreScheduler:
         self._load_invalid: dict[str, set[int]] = {}
         self._inflight_stores: dict[int, InflightStore] = {}
         self._committing = 0                    # stores handed to the index thread
+        self.stored_blocks_total = 0            # blocks committed since start (benchmarks)
         self._storing_keys: set[bytes] = set()  # planned, not yet committed or dropped
         self._stored_upto: dict[str, int] = {}
         self._to_touch: list[bytes] = []
@@ -335,6 +336,7 @@ class KVStoreScheduler:
                     # The index cannot be written (e.g. the disk is full): the store is
                     # dropped; its reservations are given back when the index can be.
                     self._warn_once("commit", ev.error)
+                self.stored_blocks_total += len(ev.refs)
                 if not st.reset:
                     self._stats.add(stored_blocks=len(ev.refs), store_dropped_blocks=ev.failed)
                 if ev.refs and self.events_enabled:
