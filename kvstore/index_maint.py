@@ -3,7 +3,7 @@
 Snapshots over every database (`snapshot`, `IndexSnapshot`), the full invariant check
 (`check_consistency`), bulk loading of an empty index (`bulk_load`) and the rebuild that
 swaps a new index in (`rebuild_index`). The serving path (`kvstore.index.Index`, the
-scheduler's `kvstore.serving.ServingIndex`) never imports this module: everything here is
+scheduler's `kvstore.serving_index.ServingIndex`) never imports this module: everything here is
 O(entries) and reads the index's databases directly.
 """
 

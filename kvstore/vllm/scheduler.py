@@ -19,7 +19,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvstore.engine import DiskStore, SlotRef, ensure_store
 from kvstore.errors import KVStoreError
-from kvstore.serving import ServingIndex, SyncServingIndex
+from kvstore.serving_index import ServingIndex, SyncServingIndex
 from kvstore.vllm.config import ConnectorConfig, block_key
 from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob
 from kvstore.vllm.metrics import KVStoreStats

@@ -1,4 +1,4 @@
-"""The scheduler's serving index (kvstore.serving) and its lookup table (kvstore._keytable),
+"""The scheduler's serving index (kvstore.serving_index) and its lookup table (kvstore._keytable),
 over real LMDB stores in tmp_path: the table follows LMDB, pinned slots are never handed
 out, commits become hits only once durable, the pool is reclaimed after a crash."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from kvstore._keytable import KeyTable
 from kvstore.engine import DiskStore, SlotRef
 from kvstore.layout import Layout
-from kvstore.serving import ServingIndex, SyncServingIndex
+from kvstore.serving_index import ServingIndex, SyncServingIndex
 
 BB = 4096
 LAYOUT = Layout(model="serving", dtype="float16", block_size=16, block_bytes=BB, num_layers=1,
@@ -169,7 +169,7 @@ def test_pool_reservations_are_reclaimed_after_a_crash(tmp_path):
     path = str(tmp_path / "store")
     make(tmp_path, 64).close()
     code = ("import os, sys; from kvstore.engine import DiskStore; "
-            "from kvstore.serving import ServingIndex; "
+            "from kvstore.serving_index import ServingIndex; "
             "st = DiskStore(sys.argv[1]); ix = ServingIndex(st, pool_target=16); ix.wait_ready(10); "
             "ix.flush(); print(st.stats()['reserved_slots'], flush=True); os._exit(0)")
     out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
@@ -192,6 +192,6 @@ def test_sync_baseline_has_the_same_interface(tmp_path):
 
 def test_the_connector_never_imports_the_maintenance_module():
     code = ("import sys; import kvstore.vllm.connector, kvstore.vllm.scheduler, "
-            "kvstore.vllm.worker, kvstore.serving; "
+            "kvstore.vllm.worker, kvstore.serving_index; "
             "assert 'kvstore.index_maint' not in sys.modules, 'index_maint imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -40,7 +40,7 @@ from kvstore.engine import DiskStore, SlotRef
 from kvstore.errors import KVStoreError, StoreFull
 from kvstore.index import Entry
 
-log = logging.getLogger("kvstore.serving")
+log = logging.getLogger("kvstore.serving_index")
 
 # Inside its LMDB transactions the index thread sleeps this long every few dozen rows
 # (`Index.pause`): the GIL is then free for the step thread, which would otherwise wait for
