@@ -400,12 +400,18 @@ class SyncServingIndex(ServingIndex):
     lookups walk LMDB, a store's slots are reserved (with evictions) when it is planned,
     and a commit fsyncs on the caller's thread. Same interface as `ServingIndex`."""
 
+    class _NoTable:
+        """Lookups read LMDB: commits have no table to update."""
+        def __contains__(self, key):
+            return True
+
     def __init__(self, store: DiskStore, *, pool_target: int = 0):
         self.store = store
         self.index = store._writable()
         self.capacity = self.index.capacity_slots
         self.pool_target = 0
         self._lock = threading.Lock()
+        self._table = self._NoTable()
         self._pins = Counter()
         self._ready = True
         self._events = deque()

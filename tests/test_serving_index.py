@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -185,7 +186,9 @@ def test_sync_baseline_has_the_same_interface(tmp_path):
     ix = SyncServingIndex(st)
     refs = ix.take([k(i) for i in range(4)])
     ix.commit(refs, tag=1)
-    assert [e.kind for e in ix.poll()] == ["committed"]
+    evs = ix.poll()
+    assert [e.kind for e in evs] == ["committed"] and evs[0].error is None and evs[0].refs == refs
+    assert st.index.fsyncs_by_thread[threading.get_ident()] == 1   # the old design: here
     assert ix.lookup_pin([k(i) for i in range(4)]) == refs
     st.close()
 
