@@ -86,7 +86,6 @@ class _StepTimer:
         self.h = h
         self.steps: list[float] = []
         self.idle: list[float] = []
-        self.cpu: list[float] = []      # the same steps in CPU time of the scheduler thread
         self.calls: dict[str, list[float]] = {}
         self._cur = None
         self._thread = threading.get_ident()
@@ -100,7 +99,6 @@ class _StepTimer:
 
             def timed(*a, _orig=orig, _name=name, **kw):
                 t = time.perf_counter_ns()
-                c = time.thread_time_ns()
                 try:
                     return _orig(*a, **kw)
                 finally:
@@ -108,14 +106,13 @@ class _StepTimer:
                     self.calls.setdefault(_name, []).append(dt / 1e6)
                     if self._cur is not None:
                         self._cur[0] += dt
-                        self._cur[2] += time.thread_time_ns() - c
             setattr(conn, name, timed)
         sched = h.scheduler
         orig_schedule = sched.schedule
 
         def schedule(*a, **kw):
             self._close()
-            self._cur = [0, False, 0]
+            self._cur = [0, False]
             so = orig_schedule(*a, **kw)
             self._cur[1] = so.total_num_scheduled_tokens > 0
             return so
@@ -124,8 +121,6 @@ class _StepTimer:
     def _close(self):
         if self._cur is not None:
             (self.steps if self._cur[1] else self.idle).append(self._cur[0] / 1e6)
-            if self._cur[1]:
-                self.cpu.append(self._cur[2] / 1e6)
             self._cur = None
 
     def result(self) -> dict:
@@ -137,11 +132,6 @@ class _StepTimer:
                 "step_p50_ms": round(_pct(s, 0.5), 4),
                 "step_p99_ms": round(_pct(s, 0.99), 4), "step_max_ms": round(max(s, default=0), 4),
                 "step_mean_ms": round(sum(s) / max(1, len(s)), 4),
-                # CPU time the connector's calls used on the scheduler thread: the wall time
-                # above minus waits (for the GIL, for a CPU on a busy machine)
-                "step_cpu_p50_ms": round(_pct(self.cpu, 0.5), 4),
-                "step_cpu_p99_ms": round(_pct(self.cpu, 0.99), 4),
-                "step_cpu_max_ms": round(max(self.cpu, default=0), 4),
                 "step_thread_fsyncs": self.index.fsyncs_by_thread[self._thread] - self._fsyncs0}
 
 
@@ -179,6 +169,7 @@ def _phases(common: dict, prompts: list, index_thread: bool) -> dict:
         res["planned_blocks"] = len(prompts) * (len(prompts[0]) // BLOCK_SIZE)
         res["tokens_computed"] = h.stats["tokens_computed"] - before["tokens_computed"]
         out["store"] = res
+    gc.unfreeze()
     with EngineHarness(**common) as h:      # restart: GPU cache empty, the store kept
         ix = h.scheduler_connector.scheduler.index
         ix.wait_ready()
@@ -245,7 +236,7 @@ def format_table(r: dict) -> str:
              f"{r['table_build_s']:.2f} s",
              "connector time on the scheduler thread per step (ms):",
              f"{'design':<22} {'phase':<6} {'steps':>6} {'p50':>8} {'p99':>8} {'max':>8} "
-             f"{'fsyncs':>7} {'cpu p50':>8} {'cpu p99':>8}"]
+             f"{'fsyncs':>7}"]
     rows = [("index thread (new)", r["phases"])]
     if "baseline" in r:
         rows.append(("synchronous (old)", r["baseline"]["phases"]))
@@ -254,8 +245,7 @@ def format_table(r: dict) -> str:
             p = phases[ph]
             lines.append(f"{name:<22} {ph:<6} {p['steps']:>6} {p['step_p50_ms']:>8.3f} "
                          f"{p['step_p99_ms']:>8.3f} {p['step_max_ms']:>8.3f} "
-                         f"{p['step_thread_fsyncs']:>7} {p['step_cpu_p50_ms']:>8.3f} "
-                         f"{p['step_cpu_p99_ms']:>8.3f}")
+                         f"{p['step_thread_fsyncs']:>7}")
     st, ld = r["phases"]["store"], r["phases"]["load"]
     lines.append(f"store phase: {st['stored_blocks']} of {st['planned_blocks']} blocks committed; load phase: "
                  f"{ld['blocks_loaded']} blocks loaded, {ld['disk_hit_tokens']} tokens from disk")
