@@ -36,7 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore._keytable import KeyTable
-from kvstore.engine import DiskStore, SlotRef
+from kvstore.engine import DiskStore
 from kvstore.errors import KVStoreError, StoreFull
 from kvstore.index import Entry
 
@@ -53,9 +53,9 @@ class IndexEvent:
     """An outcome of the index thread, for the step thread (`ServingIndex.poll`)."""
     kind: str                       # "committed", "evicted", "dropped", "error"
     tag: object = None              # the caller's tag of a commit (its store job)
-    refs: list = field(default_factory=list)     # committed: the refs now visible
+    items: list = field(default_factory=list)    # committed: (key, slot, generation) now hits
     keys: list = field(default_factory=list)     # evicted/dropped: keys that left the index
-    failed: int = 0                 # committed: refs not committed (stale or write error)
+    failed: int = 0                 # committed: blocks not committed (stale or write error)
     error: Exception | None = None  # error: what failed (the step thread logs it once)
     what: str = ""
 
@@ -103,19 +103,20 @@ class ServingIndex:
             time.sleep(0.005)
         return self._ready
 
-    def lookup_pin(self, keys: list[bytes]) -> list[SlotRef]:
-        """Longest cached prefix of keys; its slots are pinned (unpin them when done)."""
+    def lookup_pin(self, keys: list[bytes]) -> tuple[list[int], list[int]]:
+        """(slots, generations) of the longest cached prefix of keys (keys[:len(slots)]);
+        the slots are pinned (unpin them when done). Plain lists: no object per block."""
         if not self._ready:
             entries = self.index.longest_prefix(keys)   # LMDB read txn, until the table is built
-            refs = [SlotRef(e.key, e.slot, e.generation) for e in entries]
+            slots, gens = [e.slot for e in entries], [e.generation for e in entries]
             with self._lock:
-                self._pins.update(r.slot for r in refs)
-            return refs
+                self._pins.update(slots)
+            return slots, gens
         with self._lock:
             slots, gens = self._table.prefix(keys)
             if slots:
                 self._pins.update(slots)
-        return [SlotRef(k, s, g) for k, s, g in zip(keys, slots, gens)]
+        return slots, gens
 
     def contains(self, key: bytes) -> bool:
         if not self._ready:
@@ -140,30 +141,27 @@ class ServingIndex:
     def pinned_slots(self) -> int:
         return len(self._pins)
 
-    def take(self, keys: Sequence[bytes]) -> list[SlotRef]:
-        """A reserved slot for each of keys, in order, from the pool; fewer (a prefix of
-        keys) when the pool runs short. The index thread refills the pool."""
-        out = []
+    def take(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
+        """(slots, generations): a reserved slot for each of keys, in order, from the pool;
+        fewer (for a prefix of keys) when the pool runs short. The index thread refills it."""
         pool = self._pool
-        for k in keys:
-            try:
-                s, g = pool.popleft()
-            except IndexError:
-                break
-            out.append(SlotRef(k, s, g))
-        if out:
+        n = min(len(keys), len(pool))
+        got = [pool.popleft() for _ in range(n)]
+        if n:
             self._ops.put(("refill",))
-        return out
+        return [s for s, _ in got], [g for _, g in got]
 
-    def commit(self, good: Sequence[SlotRef], bad: Sequence[SlotRef] = (), tag=None) -> None:
-        """Queue: abort `bad`, commit `good` (durably written on every rank) with one fsync;
-        a "committed" event with `tag` follows. Keys become hits once it is applied."""
+    def commit(self, good: Sequence[tuple], bad: Sequence[tuple] = (), tag=None) -> None:
+        """Queue: abort `bad`, commit `good` ((key, slot, generation) durably written on
+        every rank) with one fsync; a "committed" event with `tag` follows. Keys become hits
+        once it is applied."""
         self._queued += 1
         self._ops.put(("commit", list(good), list(bad), tag))
 
-    def abort(self, refs: Sequence[SlotRef]) -> None:
-        if refs:
-            self._ops.put(("abort", list(refs)))
+    def abort(self, items: Sequence[tuple]) -> None:
+        """Queue: give (key, slot, generation) reservations back."""
+        if items:
+            self._ops.put(("abort", list(items)))
 
     def touch(self, keys: Sequence[bytes]) -> None:
         if keys:
@@ -268,7 +266,7 @@ class ServingIndex:
                     if kind == "commit":
                         self._commit(op[1], op[2], op[3])
                     elif kind == "abort":
-                        self.index.abort([(r.key, r.slot, r.generation) for r in op[1]])
+                        self.index.abort(op[1])
                     elif kind == "drop":
                         self._drop(op[1])
                     elif kind == "drop_all":
@@ -336,22 +334,22 @@ class ServingIndex:
             if len(got) < n:
                 return      # everything left is pinned or reserved: try again later
 
-    def _commit(self, good: list[SlotRef], bad: list[SlotRef], tag) -> None:
+    def _commit(self, good: list[tuple], bad: list[tuple], tag) -> None:
         failed = len(bad)
         try:
             if bad:
-                self.index.abort([(r.key, r.slot, r.generation) for r in bad])
+                self.index.abort(bad)
             skipped = set()
             if good:
-                skipped.update(self.index.commit([(r.key, r.slot, r.generation) for r in good],
-                                                 sync=False))
+                skipped.update(self.index.commit(good, sync=False))
                 self.index.sync()   # durable before any of it becomes a hit
-            live = [r for r in good if (r.key, r.slot, r.generation) not in skipped]
+            live = [x for x in good if x not in skipped] if skipped else good
             failed += len(good) - len(live)
             with self._lock:
-                for r in live:
-                    if r.key not in self._table:    # a duplicate keeps the existing entry
-                        self._table.put(r.key, r.slot, r.generation)
+                table = self._table
+                for k, s, g in live:
+                    if k not in table:      # a duplicate keeps the existing entry
+                        table.put(k, s, g)
         except Exception as exc:
             # The index cannot be written (disk full...): the store is dropped and its
             # reservations are given back when the index can be written again.
@@ -360,13 +358,17 @@ class ServingIndex:
             return
         finally:
             self._applied += 1
-        self._post(IndexEvent("committed", tag=tag, refs=live, failed=failed))
-
-    def _retry_abort(self, refs: list[SlotRef]) -> None:
         try:
-            self.index.abort([(r.key, r.slot, r.generation) for r in refs])
+            self._gauges = self._read_gauges()  # the step that takes the event sees them
         except KVStoreError:
-            self._ops.put(("abort", refs))  # still unwritable: next round
+            pass
+        self._post(IndexEvent("committed", tag=tag, items=live, failed=failed))
+
+    def _retry_abort(self, items: list[tuple]) -> None:
+        try:
+            self.index.abort(items)
+        except KVStoreError:
+            self._ops.put(("abort", items))  # still unwritable: next round
             time.sleep(0.05)
 
     def _touch(self, keys: list[bytes]) -> None:
@@ -423,9 +425,10 @@ class SyncServingIndex(ServingIndex):
         return True
 
     def lookup_pin(self, keys):
-        refs = [SlotRef(e.key, e.slot, e.generation) for e in self.index.longest_prefix(keys)]
-        self._pins.update(r.slot for r in refs)
-        return refs
+        entries = self.index.longest_prefix(keys)
+        slots = [e.slot for e in entries]
+        self._pins.update(slots)
+        return slots, [e.generation for e in entries]
 
     def contains(self, key):
         return self.index.lookup(key) is not None
@@ -434,24 +437,24 @@ class SyncServingIndex(ServingIndex):
         try:
             items, evicted = self.index.reserve(list(keys), self._pins.keys())
         except StoreFull:
-            return []
+            return [], []
         if evicted:
             self._post(IndexEvent("evicted", keys=[e.key for e in evicted]))
-        return [SlotRef(k, s, g) for k, s, g in items]
+        return [s for _, s, _ in items], [g for _, _, g in items]
 
     def commit(self, good, bad=(), tag=None):
         self._queued += 1
         self._commit(list(good), list(bad), tag)
 
-    def _retry_abort(self, refs):
+    def _retry_abort(self, items):
         try:
-            self.index.abort([(r.key, r.slot, r.generation) for r in refs])
+            self.index.abort(items)
         except KVStoreError:
             pass
 
-    def abort(self, refs):
-        if refs:
-            self.index.abort([(r.key, r.slot, r.generation) for r in refs])
+    def abort(self, items):
+        if items:
+            self.index.abort(list(items))
 
     def touch(self, keys):
         if keys:

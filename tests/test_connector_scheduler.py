@@ -231,7 +231,7 @@ def test_reset_cache_with_stores_and_loads_in_flight(tmp_path):
         assert not any(s.index.contains(k) for k in keys_of(h, a) + keys_of(h, b))
         s.index.flush()     # LMDB follows on the index thread
         assert s.store.stats()["used_slots"] == 0
-        a_slots = {r.slot for r in s._inflight_loads[ra][1]}
+        a_slots = set(s._inflight_loads[ra][1])
         b_slots = {e.slot for e in pre_reset if e.key in set(keys_of(h, b))}
         assert s.index.pinned_slots == 4
         # Stores planned after the reset (slots from the pool, refilled from the freed
@@ -239,8 +239,8 @@ def test_reset_cache_with_stores_and_loads_in_flight(tmp_path):
         jobs_before = set(s._inflight_stores)
         rd = h.add_request(d, max_tokens=1)
         h.step()
-        new_slots = {r.slot for j, st in s._inflight_stores.items() if j not in jobs_before
-                     for r in st.refs}
+        new_slots = {sl for j, st in s._inflight_stores.items() if j not in jobs_before
+                     for sl in st.slots}
         assert len(new_slots) == 4 and not new_slots & a_slots
         s.index.flush()
         assert not {sl for sl, _ in s.index._pool} & a_slots

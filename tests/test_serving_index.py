@@ -32,12 +32,19 @@ def store_keys(ix: ServingIndex, keys: list[bytes]) -> list[SlotRef]:
     """Store keys as the scheduler does, a pool's worth per step (the refill in between)."""
     out = []
     for i in range(0, len(keys), ix.pool_target):
-        refs = ix.take(keys[i:i + ix.pool_target])
-        assert len(refs) == len(keys[i:i + ix.pool_target])
-        ix.commit(refs)
+        part = keys[i:i + ix.pool_target]
+        slots, gens = ix.take(part)
+        assert len(slots) == len(part)
+        items = list(zip(part, slots, gens))
+        ix.commit(items)
         ix.flush()
-        out += refs
+        out += [SlotRef(*x) for x in items]
     return out
+
+
+def hits(ix: ServingIndex, keys: list[bytes]) -> list[SlotRef]:
+    slots, gens = ix.lookup_pin(keys)
+    return [SlotRef(*x) for x in zip(keys, slots, gens)]
 
 
 def test_keytable_matches_a_dict_under_random_operations():
@@ -70,14 +77,16 @@ def test_commit_is_a_hit_only_once_applied_and_survives_reopen(tmp_path):
     ix = ServingIndex(st, pool_target=8)
     assert ix.wait_ready(10)
     keys = [k(i) for i in range(5)]
-    refs = ix.take(keys)
-    assert [r.key for r in refs] == keys and len({r.slot for r in refs}) == 5
-    assert ix.lookup_pin(keys) == []          # reserved, not committed: no hit
-    ix.commit(refs, tag="job")
+    slots, gens = ix.take(keys)
+    assert len(set(slots)) == 5
+    refs = [SlotRef(*x) for x in zip(keys, slots, gens)]
+    assert ix.lookup_pin(keys) == ([], [])    # reserved, not committed: no hit
+    ix.commit(list(zip(keys, slots, gens)), tag="job")
     ix.flush()
     evs = [e for e in ix.poll() if e.kind == "committed"]
-    assert evs and evs[0].tag == "job" and evs[0].refs == refs and evs[0].failed == 0
-    hit = ix.lookup_pin(keys + [k(99)] + keys)
+    assert evs and evs[0].tag == "job" and evs[0].failed == 0
+    assert evs[0].items == list(zip(keys, slots, gens))
+    hit = hits(ix, keys + [k(99)] + keys)
     assert hit == refs and ix.pinned_slots == 5
     ix.unpin(r.slot for r in hit)
     assert st.index.fsyncs_by_thread          # the commit was fsynced, on the index thread
@@ -99,7 +108,7 @@ def test_pinned_slots_are_never_evicted_into_the_pool(tmp_path):
     b = store_keys(ix, [k(i) for i in range(4, 8)])
     c = store_keys(ix, [k(i) for i in range(8, 12)])       # full: 12 used + 4 in the pool
     assert st.stats()["free_slots"] == 0
-    pinned = ix.lookup_pin([r.key for r in a])             # A is the LRU, but pinned
+    pinned = hits(ix, [r.key for r in a])                  # A is the LRU, but pinned
     assert len(pinned) == 4
     store_keys(ix, [k(i) for i in range(12, 16)])          # the refill must evict B, not A
     ix.flush()
@@ -139,11 +148,11 @@ def test_drop_and_drop_all_leave_table_and_lmdb_in_step(tmp_path):
     assert not ix.contains(refs[2].key)                     # at once, for lookups
     ix.flush()
     assert st.lookup(refs[2].key) is None and st.lookup(refs[3].key) is not None
-    assert ix.lookup_pin([r.key for r in refs]) == refs[:2]
+    assert hits(ix, [r.key for r in refs]) == refs[:2]
     ix.unpin(r.slot for r in refs[:2])
     ix.drop_all()
     ix.flush()
-    assert st.stats()["used_slots"] == 0 and not ix.lookup_pin([refs[0].key])
+    assert st.stats()["used_slots"] == 0 and not hits(ix, [refs[0].key])
     ix.close()
     assert st.index.check_consistency() == []
     st.close()
@@ -156,10 +165,10 @@ def test_table_is_rebuilt_at_open_and_lookups_read_lmdb_until_then(tmp_path):
         io_st.put([k(i) for i in range(20)], lambda i, r: bytes([i]) * BB)
     st = DiskStore(str(tmp_path / "store"))
     ix = ServingIndex(st, pool_target=4)
-    first = ix.lookup_pin([k(i) for i in range(20)])        # ready or not: the same answer
+    first = hits(ix, [k(i) for i in range(20)])             # ready or not: the same answer
     assert [r.key for r in first] == [k(i) for i in range(20)]
     assert ix.wait_ready(10) and len(ix._table) == 20
-    assert ix.lookup_pin([k(i) for i in range(20)]) == first
+    assert hits(ix, [k(i) for i in range(20)]) == first
     ix.unpin(r.slot for r in first + first)
     assert ix.pinned_slots == 0
     ix.close()
@@ -184,12 +193,14 @@ def test_pool_reservations_are_reclaimed_after_a_crash(tmp_path):
 def test_sync_baseline_has_the_same_interface(tmp_path):
     st = make(tmp_path, 32)
     ix = SyncServingIndex(st)
-    refs = ix.take([k(i) for i in range(4)])
-    ix.commit(refs, tag=1)
+    keys = [k(i) for i in range(4)]
+    slots, gens = ix.take(keys)
+    items = list(zip(keys, slots, gens))
+    ix.commit(items, tag=1)
     evs = ix.poll()
-    assert [e.kind for e in evs] == ["committed"] and evs[0].error is None and evs[0].refs == refs
+    assert [e.kind for e in evs] == ["committed"] and evs[0].error is None and evs[0].items == items
     assert st.index.fsyncs_by_thread[threading.get_ident()] == 1   # the old design: here
-    assert ix.lookup_pin([k(i) for i in range(4)]) == refs
+    assert ix.lookup_pin(keys) == (slots, gens)
     st.close()
 
 

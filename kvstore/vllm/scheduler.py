@@ -17,7 +17,7 @@ from typing import Any
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from kvstore.engine import DiskStore, SlotRef, ensure_store
+from kvstore.engine import DiskStore, ensure_store
 from kvstore.errors import KVStoreError
 from kvstore.serving_index import ServingIndex, SyncServingIndex
 from kvstore.vllm.config import ConnectorConfig, block_key
@@ -30,12 +30,15 @@ MEDIUM = "STORAGE"
 
 @dataclass
 class InflightStore:
-    """A store job between planning and its commit: reported by `ranks` ranks so far."""
-    refs: list[SlotRef]
-    origins: list                   # (token ids, parent hash) per ref, for BlockStored events
+    """A store job between planning and its commit: reported by `ranks` ranks so far.
+    Blocks are parallel lists (no object per block: a step stores hundreds of them)."""
+    keys: list[bytes]
+    slots: list[int]
+    generations: list[int]
+    origins: list                   # (token ids, parent hash) per block, for BlockStored events
     started: float
     ranks: int = 0
-    failed: set[int] = field(default_factory=set)   # indices into refs, from any rank
+    failed: set[int] = field(default_factory=set)   # block indices, from any rank
     reset: bool = False             # reset_cache ran meanwhile: nothing is committed
 
 
@@ -70,9 +73,10 @@ class KVStoreScheduler:
             raise
         self._next_job = 1
         self._requests: dict[str, Any] = {}
-        self._candidates: dict[str, tuple[int, list[SlotRef]]] = {}  # pinned, pre-alloc
+        # req -> (first block, keys, slots, generations) of its pinned lookup, pre-alloc
+        self._candidates: dict[str, tuple[int, list, list, list]] = {}
         self._pending_loads: list[LoadJob] = []
-        self._inflight_loads: dict[str, tuple[LoadJob, list[SlotRef]]] = {}
+        self._inflight_loads: dict[str, tuple[LoadJob, list[int]]] = {}   # job, pinned slots
         # Requests whose disk load failed (error, corruption, timeout): they recompute and
         # never read the disk again, or a stalled disk would make them load, time out and
         # look up the same blocks forever (a block-0 failure resets num_computed_tokens).
@@ -111,7 +115,7 @@ class KVStoreScheduler:
     def _release_candidate(self, req_id: str) -> None:
         cand = self._candidates.pop(req_id, None)
         if cand is not None:
-            self.index.unpin(r.slot for r in cand[1])
+            self.index.unpin(cand[2])
 
     def bind(self, kv_cache_manager) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -129,7 +133,7 @@ class KVStoreScheduler:
             # Re-entry while the request waits for GPU blocks: the pinned lookup result
             # is still valid (pins keep it from eviction; a block dropped since then
             # fails verification on load and is recomputed), so skip the index walk.
-            return len(cand[1]) * self.block_size, True
+            return len(cand[2]) * self.block_size, True
         self._release_candidate(req_id)
         if getattr(request.sampling_params, "skip_reading_prefix_cache", False) or \
                 req_id in self._inflight_loads or req_id in self._load_failed:
@@ -143,41 +147,41 @@ class KVStoreScheduler:
             return 0, False
         try:
             keys = self._request_keys(request, start, end)
-            refs = self.index.lookup_pin(keys)      # pinned: eviction skips them
+            slots, gens = self.index.lookup_pin(keys)   # pinned: eviction skips them
         except KVStoreError as exc:
             self._warn_once("lookup", exc)
             return 0, False
-        if not refs:
+        n = len(slots)
+        if not n:
             self._stats.add(miss_lookups=1)
             self.index.count_hits(0, 1)
             return 0, False
-        self._candidates[req_id] = (start, refs)
-        self._stats.add(hit_blocks=len(refs))
+        self._candidates[req_id] = (start, keys[:n], slots, gens)
+        self._stats.add(hit_blocks=n)
         # As DiskStore.get counts: hits in blocks, a miss per lookup that stopped short.
-        self.index.count_hits(len(refs), 0 if len(refs) == len(keys) else 1)
-        return len(refs) * bs, True
+        self.index.count_hits(n, 0 if n == len(keys) else 1)
+        return n * bs, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         req_id = request.request_id
         cand = self._candidates.pop(req_id, None)
         if cand is None:
             return
-        start, refs = cand
+        start, keys, slots, gens = cand
         n = num_external_tokens // self.block_size
         if n <= 0:
-            self.index.unpin(r.slot for r in refs)
+            self.index.unpin(slots)
             return
-        self.index.unpin(r.slot for r in refs[n:])
-        refs = refs[:n]
+        self.index.unpin(slots[n:])
+        keys, slots, gens = keys[:n], slots[:n], gens[:n]
         block_ids = list(blocks.get_block_ids()[0][start:start + n])
         if len(block_ids) != n:
-            self.index.unpin(r.slot for r in refs)
+            self.index.unpin(slots)
             self._warn_once("load planning", KVStoreError(f"expected {n} blocks, got {len(block_ids)}"))
             return
-        job = LoadJob(self._job_id(), req_id, block_ids, [r.key for r in refs],
-                      [r.slot for r in refs], [r.generation for r in refs])
+        job = LoadJob(self._job_id(), req_id, block_ids, keys, slots, gens)
         self._pending_loads.append(job)
-        self._inflight_loads[req_id] = (job, refs)
+        self._inflight_loads[req_id] = (job, slots)
         self._stats.add(hit_tokens=n * self.block_size)
 
     # -- stores ----------------------------------------------------------------------
@@ -247,20 +251,22 @@ class KVStoreScheduler:
                 return []
             # Slots from the index thread's pool (already reserved, victims already
             # evicted): a prefix of the blocks when the pool runs short.
-            refs = self.index.take([k for k, _, _ in picked])
+            keys = [k for k, _, _ in picked]
+            slots, gens = self.index.take(keys)
         except KVStoreError as exc:
             self._warn_once("store planning", exc)
             self._stats.add(store_dropped_blocks=len(picked))
             return []
-        if len(refs) < len(picked):
-            self._stats.add(store_dropped_blocks=len(picked) - len(refs))
-        if not refs:
+        n = len(slots)
+        if n < len(picked):
+            self._stats.add(store_dropped_blocks=len(picked) - n)
+        if not n:
             return []
-        picked = picked[:len(refs)]
-        job = StoreJob(self._job_id(), [bid for _, bid, _ in picked], [r.key for r in refs],
-                       [r.slot for r in refs], [r.generation for r in refs])
+        picked, keys = picked[:n], keys[:n]
+        job = StoreJob(self._job_id(), [bid for _, bid, _ in picked], keys, slots, gens)
         self._inflight_stores[job.job_id] = InflightStore(
-            refs=refs, origins=[origin for _, _, origin in picked], started=time.monotonic())
+            keys=keys, slots=slots, generations=gens,
+            origins=[origin for _, _, origin in picked], started=time.monotonic())
         self._storing_keys.update(job.keys)
         return [job]
 
@@ -298,8 +304,8 @@ class KVStoreScheduler:
             item = self._inflight_loads.pop(req_id, None)
             if item is None:
                 continue
-            job, refs = item
-            self.index.unpin(r.slot for r in refs)
+            job, slots = item
+            self.index.unpin(slots)
             # Counted here, once per block: the workers' counts are per rank, and the
             # union of failed blocks over the ranks is only known after aggregation.
             failed = len(self._load_invalid.pop(req_id, ()))
@@ -316,12 +322,14 @@ class KVStoreScheduler:
         """Every rank reported: the good blocks are durable. Their commit (and its fsync)
         is the index thread's; the keys stay in `_storing_keys` until it is applied."""
         del self._inflight_stores[job_id]
-        refs = st.refs
+        items = list(zip(st.keys, st.slots, st.generations))
         if st.reset:
-            good, bad = [], refs
+            good, bad = [], items
+        elif st.failed:
+            good = [x for i, x in enumerate(items) if i not in st.failed]
+            bad = [x for i, x in enumerate(items) if i in st.failed]
         else:
-            good = [r for i, r in enumerate(refs) if i not in st.failed]
-            bad = [r for i, r in enumerate(refs) if i in st.failed]
+            good, bad = items, []
         self._committing += 1
         self.index.commit(good, bad, tag=st)
 
@@ -331,16 +339,16 @@ class KVStoreScheduler:
             if ev.kind == "committed":
                 st = ev.tag
                 self._committing -= 1
-                self._storing_keys.difference_update(r.key for r in st.refs)
+                self._storing_keys.difference_update(st.keys)
                 if ev.error is not None:
                     # The index cannot be written (e.g. the disk is full): the store is
                     # dropped; its reservations are given back when the index can be.
                     self._warn_once("commit", ev.error)
-                self.stored_blocks_total += len(ev.refs)
+                self.stored_blocks_total += len(ev.items)
                 if not st.reset:
-                    self._stats.add(stored_blocks=len(ev.refs), store_dropped_blocks=ev.failed)
-                if ev.refs and self.events_enabled:
-                    self._emit_stored(ev.refs, st.origins, st.refs)
+                    self._stats.add(stored_blocks=len(ev.items), store_dropped_blocks=ev.failed)
+                if ev.items and self.events_enabled:
+                    self._emit_stored(ev.items, st)
             elif ev.kind == "evicted":
                 self._stats.add(evicted_blocks=len(ev.keys))
                 self._emit_removed(ev.keys)
@@ -355,17 +363,17 @@ class KVStoreScheduler:
             self._events.append(BlockRemoved(
                 block_hashes=[maybe_convert_block_hash(k[:-4]) for k in keys], medium=MEDIUM))
 
-    def _emit_stored(self, good, origins, refs) -> None:
-        origin_of = {r.key: o for r, o in zip(refs, origins)}
+    def _emit_stored(self, good, st: InflightStore) -> None:
+        origin_of = dict(zip(st.keys, st.origins))
         bs = self.block_size
-        for r in good:
+        for key, _slot, _gen in good:
             # Lazy stores come from vLLM's free queue, which keeps no tokens: their
             # events carry the hash only.
-            tokens, parent = origin_of.get(r.key) or ([], None)
+            tokens, parent = origin_of.get(key) or ([], None)
             self._events.append(BlockStored(
-                block_hashes=[maybe_convert_block_hash(r.key[:-4])], parent_block_hash=parent,
+                block_hashes=[maybe_convert_block_hash(key[:-4])], parent_block_hash=parent,
                 token_ids=tokens, block_size=bs, lora_id=None, medium=MEDIUM, lora_name=None,
-                group_idx=int.from_bytes(r.key[-4:], "big")))
+                group_idx=int.from_bytes(key[-4:], "big")))
 
     def take_events(self):
         ev, self._events = self._events, []
@@ -417,7 +425,8 @@ class KVStoreScheduler:
 
     def shutdown(self) -> None:
         try:
-            abandoned = [r for st in self._inflight_stores.values() for r in st.refs]
+            abandoned = [x for st in self._inflight_stores.values()
+                         for x in zip(st.keys, st.slots, st.generations)]
             if abandoned and not self.store.closed:
                 self.index.abort(abandoned)
             self.index.close()      # applies queued commits, gives the pool back
