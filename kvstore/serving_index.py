@@ -147,7 +147,7 @@ class ServingIndex:
         pool = self._pool
         n = min(len(keys), len(pool))
         got = [pool.popleft() for _ in range(n)]
-        if n:
+        if keys:    # taken from, or dry (pins may have gone since): the index thread refills
             self._ops.put(("refill",))
         return [s for s, _ in got], [g for _, g in got]
 
