@@ -77,6 +77,7 @@ class ServingIndex:
         self._pool: deque[tuple[int, int]] = deque()
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._events: deque[IndexEvent] = deque()
+        self._posted = threading.Event()
         self._queued = 0            # commits queued and not applied (step thread reads)
         self._applied = 0
         self._closed = False
@@ -194,6 +195,13 @@ class ServingIndex:
             out.append(ev.popleft())
         return out
 
+    def wait_events(self, timeout: float) -> None:
+        """Sleep until the index thread reports something, `timeout` at most. For an engine
+        with nothing else to do than wait for commits: it sleeps instead of spinning (a
+        spinning step thread takes the GIL from the index thread it waits for)."""
+        if self._posted.wait(timeout):
+            self._posted.clear()
+
     def pending_commits(self) -> int:
         return self._queued - self._applied
 
@@ -224,6 +232,7 @@ class ServingIndex:
 
     def _post(self, ev: IndexEvent) -> None:
         self._events.append(ev)
+        self._posted.set()
 
     def _fail(self, what: str, exc: Exception) -> None:
         self._post(IndexEvent("error", what=what, error=exc))
@@ -417,12 +426,16 @@ class SyncServingIndex(ServingIndex):
         self._pins = Counter()
         self._ready = True
         self._events = deque()
+        self._posted = threading.Event()
         self._queued = self._applied = 0
         self._closed = False
         self.build_s = 0.0
 
     def wait_ready(self, timeout=None) -> bool:
         return True
+
+    def wait_events(self, timeout: float) -> None:
+        pass
 
     def lookup_pin(self, keys):
         entries = self.index.longest_prefix(keys)

@@ -394,6 +394,10 @@ class KVStoreScheduler:
     def has_pending_stores(self) -> bool:
         # A store is pending until its commit's outcome is taken in a step (its stats and
         # events are published with that step's output).
+        if self._committing and not self._inflight_stores and not self._requests:
+            # Nothing but commits left: the engine would spin on empty steps, taking the
+            # GIL from the index thread it waits for; sleep until it reports (2 ms at most).
+            self.index.wait_events(0.002)
         return bool(self._inflight_stores) or self._committing > 0
 
     def reset_cache(self) -> bool:
