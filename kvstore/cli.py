@@ -265,14 +265,22 @@ def warmup_cmd(store, prompts, from_store, model, capacity, engine_arg, all_bloc
 
 
 @bench.command("connector")
-@click.option("--prefix-blocks", default=1000, show_default=True, type=click.IntRange(1, 100000))
-@click.option("--requests", default=8, show_default=True, type=click.IntRange(1, 256))
+@click.option("--index-entries", default=1_000_000, show_default=True, type=click.IntRange(0, 1 << 31),
+              help="Entries prefilled into the index (0: an empty 2G store).")
+@click.option("--requests", default=48, show_default=True, type=click.IntRange(1, 100000),
+              help="Prompts per phase (one step's token budget each).")
+@click.option("--prompt-tokens", default=8192, show_default=True, type=click.IntRange(32, 8192))
+@click.option("--baseline/--no-baseline", default=True, show_default=True,
+              help="Also run the previous, synchronous design (index_thread: false).")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="Scratch directory (default: the system temp directory).")
 @click.option("--json", "as_json", is_flag=True)
-def bench_connector(prefix_blocks, requests, as_json):
-    """Scheduler-side connector time per step and per request, through vLLM's scheduler."""
+def bench_connector(index_entries, requests, prompt_tokens, baseline, directory, as_json):
+    """Connector time on vLLM's scheduler thread per step (p50/p99/max), store and load phases."""
     from kvstore.bench import connector_bench
     try:
-        out = connector_bench.run(prefix_blocks=prefix_blocks, requests=requests)
+        out = connector_bench.run(index_entries=index_entries, requests=requests,
+                                  prompt_tokens=prompt_tokens, baseline=baseline, workdir=directory)
     except (KVStoreError, OSError) as exc:
         _fail(exc)
     click.echo(json.dumps(out, indent=2) if as_json else connector_bench.format_table(out))

@@ -33,6 +33,8 @@ import errno
 import logging
 import os
 import struct
+import threading
+from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -40,7 +42,7 @@ import lmdb
 
 from kvstore.errors import ConfigError, CorruptIndex, KVStoreError, StoreFull
 
-__all__ = ["Entry", "Index", "IndexSnapshot", "FORMAT_VERSION", "rebuild_index"]
+__all__ = ["Entry", "Index", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 
@@ -57,6 +59,7 @@ _MAX_SLOTS = 1 << 32
 _MIN_MAP = 1 << 24
 _REBUILD_HINT = "run `kvstore fsck --rebuild-index` to rebuild it from the slot files"
 _ITER_CHUNK = 4096
+_PAUSE_EVERY = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +142,13 @@ class Index:
         self._env: lmdb.Environment | None = None
         self._pending_hits = 0
         self._pending_misses = 0
+        # fsyncs of the index by thread id: benchmarks prove which thread pays for them
+        # (`kvstore bench connector` checks that vLLM's scheduler thread never does).
+        self.fsyncs_by_thread: Counter = Counter()
+        # Called every _PAUSE_EVERY rows inside long write transactions (commit, touch,
+        # drop, reserve_pool) when set: the serving index's background thread releases
+        # the GIL there, so vLLM's scheduler thread never waits long for it.
+        self.pause = None
         data = os.path.join(self._path, "data.mdb")
         for p in (self._path, data, os.path.join(self._path, "lock.mdb")):
             # LMDB opens its files without O_NOFOLLOW: refuse links here, as every other
@@ -619,7 +629,104 @@ class Index:
         return out, evicted
 
     @_guard
-    def commit(self, items: Sequence[tuple[bytes, int, int]]) -> list[tuple[bytes, int, int]]:
+    def reserve_pool(self, n: int, claim) -> tuple[list[tuple[int, int]], list[Entry]]:
+        """Reserve up to n slots for keys not known yet (the scheduler's slot pool); one
+        write txn, never an fsync. Slots come from the free list, then never-used slots,
+        then by evicting LRU entries. `claim(candidates)` decides which may be taken: it gets
+        [(key or None, slot)] (None for a free slot) and returns the set of slots it gives
+        up (the serving index drops evicted keys from its lookup table there, and refuses
+        pinned slots). Each slot gets a fresh generation; its `reserved` row holds only the
+        generation until `commit` names the key. Returns ([(slot, generation)], evicted
+        entries); fewer than n slots when nothing more can be taken (no StoreFull)."""
+        if n <= 0:
+            return [], []
+        return self._write(self._reserve_pool_txn, n, claim)
+
+    def _reserve_pool_txn(self, txn, n, claim):
+        def batches(db):
+            """Rows of db in key order, in batches of at most what is still missing;
+            rows deleted between batches (taken ones) are skipped over by set_range."""
+            last = None
+            while len(slots) < n:
+                cur = txn.cursor(db=db)
+                ok = cur.set_range(last) if last is not None else cur.first()
+                if ok and last is not None and cur.key() == last:
+                    ok = cur.next()     # `last` was refused and is still there
+                rows = []
+                while ok and len(rows) < min(n - len(slots), _PAUSE_EVERY):
+                    last = cur.key()
+                    rows.append(last)
+                    ok = cur.next()
+                if not rows:
+                    return
+                yield rows
+                if not ok:
+                    return
+                if self.pause is not None:
+                    self.pause()
+
+        slots: list[int] = []
+        for rows in batches(self._free):
+            cand = [_U32.unpack(r)[0] for r in rows]
+            taken = claim([(None, c) for c in cand])
+            for r, c in zip(rows, cand):
+                if c in taken:
+                    txn.delete(r, db=self._free)
+                    slots.append(c)
+        cap = self._capacity
+        hw = self._get(txn, b"high_water")
+        if hw < cap and len(slots) < n:
+            cand = list(range(hw, min(cap, hw + n - len(slots))))
+            taken = claim([(None, c) for c in cand])
+            for c in cand:
+                if c in taken:
+                    slots.append(c)
+                else:
+                    txn.put(_U32.pack(c), b"", db=self._free)  # keep the accounting whole
+            hw = cand[-1] + 1
+        evicted: list[Entry] = []
+        kdb, sdb, ldb = self._keys, self._slots, self._lru
+        for rows in batches(ldb):
+            cand = []
+            for lk in rows:
+                t, s_ = _LRU.unpack(lk)
+                k = txn.get(_U32.pack(s_), db=sdb)
+                if k is None:
+                    raise CorruptIndex(f"lru row (tick {t}, slot {s_}) has no slot row; {_REBUILD_HINT}")
+                cand.append((lk, t, s_, k))
+            taken = claim([(k, s_) for _, _, s_, k in cand])
+            for lk, t, s_, k in cand:
+                if s_ not in taken:
+                    continue
+                v = txn.pop(k, db=kdb)
+                if v is None:
+                    raise CorruptIndex(f"lru row (tick {t}, slot {s_}) has no key row; {_REBUILD_HINT}")
+                txn.delete(_U32.pack(s_), db=sdb)
+                txn.delete(lk, db=ldb)
+                evicted.append(_entry(k, s_, _VAL.unpack(v)[1], t))
+                slots.append(s_)
+        gen = self._get(txn, b"generation")
+        out = []
+        for s_ in slots:
+            gen += 1
+            txn.put(_U32.pack(s_), _U64.pack(gen), db=self._reserved)
+            out.append((s_, gen))
+        self._set(txn, b"generation", gen)
+        self._set(txn, b"high_water", hw)
+        if evicted:
+            self._add(txn, b"evictions", len(evicted))
+        return out, evicted
+
+    @_guard
+    def load_keys(self, table) -> int:
+        """Fill `table` (a `kvstore._keytable.KeyTable`) with every committed key -> (slot,
+        generation), from one read transaction. Returns the count."""
+        with self._read() as txn:
+            return table.load(txn.cursor(db=self._keys).iternext(keys=True, values=True))
+
+    @_guard
+    def commit(self, items: Sequence[tuple[bytes, int, int]], *, sync: bool = True
+               ) -> list[tuple[bytes, int, int]]:
         """Make reserved (key, slot, generation) items visible to lookups; one write txn.
 
         items[0] gets the most recent tick (a chain's head outlives its tail). An item whose
@@ -628,20 +735,30 @@ class Index:
         If the key is already committed at another slot (two stores of the same block), the
         existing entry is kept and refreshed (a load may be reading it now) and the new slot
         goes back to free. Returns the skipped items (empty when all went in).
+        sync=False leaves the fsync to a later `sync()` (a commit in several transactions).
         """
         if not items:
             return []
         skipped = self._write(self._commit_txn, items)
-        if self._sync:
+        if sync and self._sync:
             # Only commits are made durable (fdatasync of data.mdb): LMDB writes
             # transactions in order, so syncing here also persists every earlier
             # reservation and eviction, while touches and reservations alone never pay
             # for an fsync. After a crash the index is the state as of some commit.
-            try:
-                self._live().sync(True)
-            except lmdb.Error as exc:
-                raise self._write_failed(exc, "syncing a commit") from exc
+            self._fsync("syncing a commit")
         return skipped
+
+    def sync(self) -> None:
+        """fsync the index (when opened with sync=True): every transaction so far is durable."""
+        if self._sync:
+            self._fsync("syncing a commit")
+
+    def _fsync(self, doing: str) -> None:
+        self.fsyncs_by_thread[threading.get_ident()] += 1
+        try:
+            self._live().sync(True)
+        except lmdb.Error as exc:
+            raise self._write_failed(exc, doing) from exc
 
     def _commit_txn(self, txn, items):
         get, put, delete = txn.get, txn.put, txn.delete
@@ -649,11 +766,15 @@ class Index:
         tick = self._get(txn, b"tick")
         skipped = []
         dups = 0
-        for item in reversed(items):
+        pause = self.pause
+        for n, item in enumerate(reversed(items)):
+            if pause is not None and n and n % _PAUSE_EVERY == 0:
+                pause()
             key, slot, gen = item
             sk = _U32.pack(slot)
             r = get(sk, db=rdb)
-            if r is None or _U64.unpack_from(r)[0] != gen or r[8:] != key:
+            # a pool reservation (`reserve_pool`) has no key yet: only its generation counts
+            if r is None or _U64.unpack_from(r)[0] != gen or (len(r) > 8 and r[8:] != key):
                 skipped.append(item)
                 continue
             delete(sk, db=rdb)
@@ -697,7 +818,7 @@ class Index:
                 key, slot, gen = x
                 sk = _U32.pack(slot)
                 r = txn.get(sk, db=rdb)
-                if r is None or _U64.unpack_from(r)[0] != gen or r[8:] != key:
+                if r is None or _U64.unpack_from(r)[0] != gen or (len(r) > 8 and r[8:] != key):
                     continue
                 txn.delete(sk, db=rdb)
             txn.put(sk, b"", db=fdb)
@@ -730,7 +851,10 @@ class Index:
         kdb, ldb = self._keys, self._lru
         tick = self._get(txn, b"tick")
         unpack, pack, lru = _VAL.unpack, _VAL.pack, _LRU.pack
-        for k in reversed(keys):
+        pause = self.pause
+        for n, k in enumerate(reversed(keys)):
+            if pause is not None and n and n % _PAUSE_EVERY == 0:
+                pause()
             v = get(k, db=kdb)
             if v is None:
                 continue
@@ -749,7 +873,10 @@ class Index:
 
     def _drop_txn(self, txn, keys):
         out = []
-        for k in keys:
+        pause = self.pause
+        for n, k in enumerate(keys):
+            if pause is not None and n and n % _PAUSE_EVERY == 0:
+                pause()
             v = txn.pop(k, db=self._keys)
             if v is None:
                 continue
@@ -772,269 +899,10 @@ class Index:
         if not self._readonly and (self._pending_hits or self._pending_misses):
             self._write(lambda txn: None)
 
-    def bulk_load(self, entries: Iterable[tuple[bytes, int, int]], *, keys_sorted: bool = False,
-                  batch: int = 200_000) -> int:
-        """Fill an empty index with committed (key, slot, generation) entries, fast.
-
-        For `fsck --rebuild-index` (entries scanned from slot headers) and benchmarks. Ticks
-        follow input order (first = coldest). keys_sorted=True promises ascending keys and
-        uses LMDB append mode. Slots not loaded below the highest one become free. Raises
-        KVStoreError on a duplicate key or slot, or if the index is not empty (partial
-        batches already written stay; recreate the index to retry). Returns the count.
-        """
-        self._live()
-        with self._read() as txn:
-            if (txn.stat(self._keys)["entries"] or txn.stat(self._reserved)["entries"]
-                    or self._get(txn, b"high_water")):
-                raise KVStoreError(f"Index.bulk_load: index at {self._path} is not empty")
-        cap = self._capacity
-        seen = bytearray(cap)
-        state = {"tick": 0, "gen": 0, "hw": 0, "n": 0, "last_slot": -1}
-
-        def flush(rows):
-            slot_sorted = all(rows[i][1] < rows[i + 1][1] for i in range(len(rows) - 1)) \
-                and rows[0][1] > state["last_slot"]
-            t0 = state["tick"]
-            kv = [(k, _VAL.pack(s, g, t0 + i + 1)) for i, (k, s, g) in enumerate(rows)]
-            sv = [(_U32.pack(s), k) for k, s, _ in rows]
-            if not slot_sorted:
-                sv.sort()
-            lv = [(_LRU.pack(t0 + i + 1, s), b"") for i, (_, s, _) in enumerate(rows)]
-
-            def txnfn(txn):
-                _, added = txn.cursor(db=self._keys).putmulti(kv, overwrite=False,
-                                                              append=keys_sorted)
-                if added != len(kv):
-                    raise KVStoreError("Index.bulk_load: duplicate key in input")
-                txn.cursor(db=self._slots).putmulti(sv, append=slot_sorted)
-                txn.cursor(db=self._lru).putmulti(lv, append=True)
-                self._set(txn, b"tick", t0 + len(rows))
-                self._set(txn, b"generation", max(state["gen"], max(g for _, _, g in rows)))
-                self._set(txn, b"high_water", max(state["hw"], max(s for _, s, _ in rows) + 1))
-
-            self._write(txnfn)
-            state["tick"] = t0 + len(rows)
-            state["gen"] = max(state["gen"], max(g for _, _, g in rows))
-            state["hw"] = max(state["hw"], max(s for _, s, _ in rows) + 1)
-            state["last_slot"] = max(state["last_slot"], max(s for _, s, _ in rows))
-            state["n"] += len(rows)
-
-        rows: list[tuple[bytes, int, int]] = []
-        for k, s, g in entries:
-            if not 0 <= s < cap:
-                raise KVStoreError(f"Index.bulk_load: slot {s} outside [0, {cap})")
-            if seen[s]:
-                raise KVStoreError(f"Index.bulk_load: slot {s} appears twice")
-            seen[s] = 1
-            rows.append((k, s, g))
-            if len(rows) >= batch:
-                flush(rows)
-                rows = []
-        if rows:
-            flush(rows)
-        hw = state["hw"]
-        holes = []
-        i = seen.find(0, 0, hw)
-        while i != -1:
-            holes.append((_U32.pack(i), b""))
-            i = seen.find(0, i + 1, hw)
-        if holes:
-            self._write(lambda txn: txn.cursor(db=self._free).putmulti(holes, append=True))
-        return state["n"]
-
-    # ------------------------------------------------------------------ verification
+    # ------------------------------------------------------------------ maintenance
 
     def check_consistency(self) -> list[str]:
-        """Full scan of one snapshot; returns a description of every broken invariant
-        (empty list = consistent). O(entries): for fsck and tests, not the serving path."""
-        problems: list[str] = []
-        with self._read() as txn:
-            cap = self._capacity
-            hw = self._get(txn, b"high_water")
-            tick = self._get(txn, b"tick")
-            gen = self._get(txn, b"generation")
-            if hw > cap:
-                problems.append(f"high_water {hw} > capacity {cap}")
-            owner: dict[int, str] = {}
-
-            def claim(slot: int, what: str) -> None:
-                if not 0 <= slot < cap:
-                    problems.append(f"{what}: slot {slot} outside [0, {cap})")
-                elif slot >= hw:
-                    problems.append(f"{what}: slot {slot} >= high_water {hw}")
-                if slot in owner:
-                    problems.append(f"slot {slot} is both {owner[slot]} and {what}")
-                else:
-                    owner[slot] = what
-
-            lru_expected = set()
-            for k, v in txn.cursor(db=self._keys):
-                s, g, t = _VAL.unpack(v)
-                claim(s, f"used by key {k.hex()}")
-                if txn.get(_U32.pack(s), db=self._slots) != k:
-                    problems.append(f"slots[{s}] does not point back at key {k.hex()}")
-                if t > tick:
-                    problems.append(f"key {k.hex()} tick {t} > meta tick {tick}")
-                if g > gen:
-                    problems.append(f"key {k.hex()} generation {g} > meta generation {gen}")
-                lru_expected.add(_LRU.pack(t, s))
-            n_slots = txn.stat(self._slots)["entries"]
-            n_keys = txn.stat(self._keys)["entries"]
-            if n_slots != n_keys:
-                problems.append(f"slots db has {n_slots} rows, keys db {n_keys}")
-            lru_rows = set(txn.cursor(db=self._lru).iternext(keys=True, values=False))
-            if lru_rows != lru_expected:
-                problems.append(f"lru has {len(lru_rows - lru_expected)} rows without an entry "
-                                f"and misses {len(lru_expected - lru_rows)} entries")
-            for sk in txn.cursor(db=self._free).iternext(keys=True, values=False):
-                claim(_U32.unpack(sk)[0], "free")
-            for sk, v in txn.cursor(db=self._reserved):
-                claim(_U32.unpack(sk)[0], "reserved")
-                if _U64.unpack_from(v)[0] > gen:
-                    problems.append(f"reservation of slot {_U32.unpack(sk)[0]} has generation "
-                                    f"> meta generation {gen}")
-            if len(owner) != hw:
-                problems.append(f"used + free + reserved below high_water = {len(owner)}, "
-                                f"expected {hw} (slots lost or counted twice)")
-        return problems
-
-    # ------------------------------------------------------------------ fsck support
-
-    def snapshot(self) -> "IndexSnapshot":
-        """One read transaction over every database, for fsck: a context manager whose
-        iterators all see the same committed state, even while a writer (another process)
-        keeps committing. Hold it only as long as a scan takes."""
-        return IndexSnapshot(self)
-
-
-class IndexSnapshot:
-    """Typed, read-only iterators over the raw rows of one consistent snapshot.
-
-    Rows that do not decode (wrong length) are not yielded; they are recorded in
-    `malformed` as (db name, row key) so that fsck can report them.
-    """
-
-    def __init__(self, index: Index):
-        self._ix = index
-        self._txn: lmdb.Transaction | None = None
-        self.malformed: list[tuple[str, bytes]] = []
-
-    def __enter__(self) -> "IndexSnapshot":
-        self._txn = self._ix._read()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._txn is not None:
-            self._txn.abort()
-            self._txn = None
-
-    def _rows(self, db) -> Iterator[tuple[bytes, bytes]]:
-        if self._txn is None:
-            raise KVStoreError("IndexSnapshot used outside its `with` block")
-        return self._txn.cursor(db=db).iternext(keys=True, values=True)
-
-    def counters(self) -> dict[str, int]:
-        out = {}
-        for k, v in self._rows(self._ix._meta):
-            if len(v) == _U64.size:
-                out[k.decode(errors="replace")] = _U64.unpack(v)[0]
-            else:
-                self.malformed.append(("meta", bytes(k)))
-        return out
-
-    def count(self, name: str) -> int:
-        db = {"keys": self._ix._keys, "slots": self._ix._slots, "lru": self._ix._lru,
-              "free": self._ix._free, "reserved": self._ix._reserved}[name]
-        return self._txn.stat(db)["entries"]
-
-    def entries(self) -> Iterator[Entry]:
-        """keys db: every committed entry, in key order."""
-        for k, v in self._rows(self._ix._keys):
-            if len(v) != _VAL.size:
-                self.malformed.append(("keys", bytes(k)))
-                continue
-            yield _entry(bytes(k), *_VAL.unpack(v))
-
-    def slot_rows(self) -> Iterator[tuple[int, bytes]]:
-        """slots db: (slot, key) reverse rows."""
-        for sk, k in self._rows(self._ix._slots):
-            if len(sk) != _U32.size:
-                self.malformed.append(("slots", bytes(sk)))
-                continue
-            yield _U32.unpack(sk)[0], bytes(k)
-
-    def lru_rows(self) -> Iterator[tuple[int, int]]:
-        """lru db: (tick, slot), coldest first."""
-        for lk, _ in self._rows(self._ix._lru):
-            if len(lk) != _LRU.size:
-                self.malformed.append(("lru", bytes(lk)))
-                continue
-            yield _LRU.unpack(lk)
-
-    def free_rows(self) -> Iterator[int]:
-        """free db: the given-back slots (not the never-used ones >= high_water)."""
-        for sk, _ in self._rows(self._ix._free):
-            if len(sk) != _U32.size:
-                self.malformed.append(("free", bytes(sk)))
-                continue
-            yield _U32.unpack(sk)[0]
-
-    def reserved_rows(self) -> Iterator[tuple[int, int, bytes]]:
-        """reserved db: (slot, generation, key)."""
-        for sk, v in self._rows(self._ix._reserved):
-            if len(sk) != _U32.size or len(v) < _U64.size:
-                self.malformed.append(("reserved", bytes(sk)))
-                continue
-            yield _U32.unpack(sk)[0], _U64.unpack_from(v)[0], bytes(v[8:])
-
-
-_KEPT_COUNTERS = ("hits", "misses", "evictions", "duplicates", "stale_commits")
-
-
-def rebuild_index(path: str, capacity_slots: int, entries: Iterable[tuple[bytes, int, int]], *,
-                  counters: dict | None = None, sync: bool = True) -> int:
-    """Replace the index at `path` by one holding exactly `entries` (fsck --repair and
-    --rebuild-index). The caller must hold the store's writer lock and have no Index open
-    on `path`.
-
-    `entries` are committed (key, slot, generation), coldest first (their order becomes
-    the LRU order). `counters` carries hits/misses/evictions/duplicates/stale_commits over
-    from the old index and a `generation` floor: the generation counter never goes back,
-    so a slot header written before the rebuild can never match a later reservation.
-    The new index is built next to the old one (`index.rebuild`) and swapped in with two
-    renames; a crash in between leaves no index/, which `fsck --rebuild-index` recovers
-    from the slot headers. Returns the number of entries loaded.
-    """
-    path = os.path.abspath(os.fspath(path)).rstrip(os.sep)
-    tmp, old = path + ".rebuild", path + ".old"
-    import shutil
-    def remove(p):
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p)
-        elif os.path.lexists(p):
-            os.unlink(p)
-
-    for p in (tmp, old):
-        remove(p)
-    with Index(tmp, capacity_slots, create=True, sync=sync) as ix:
-        n = ix.bulk_load(entries)
-        counters = dict(counters or {})
-
-        def txnfn(txn):
-            for name in _KEPT_COUNTERS:
-                if name in counters:
-                    ix._set(txn, name.encode(), int(counters[name]))
-            floor = int(counters.get("generation", 0))
-            if floor > ix._get(txn, b"generation"):
-                ix._set(txn, b"generation", floor)
-        ix._write(txnfn)
-    if os.path.lexists(path):
-        os.rename(path, old)
-    os.rename(tmp, path)
-    dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    remove(old)
-    return n
+        """Full-scan invariant check (fsck and tests); see `kvstore.index_maint.check_consistency`.
+        Imported on call: the serving path never loads the maintenance module."""
+        from kvstore.index_maint import check_consistency
+        return check_consistency(self)

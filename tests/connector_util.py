@@ -124,14 +124,15 @@ def conn_stats(h) -> dict:
 
 
 def settle(h, timeout_s: float = 30.0) -> None:
-    """Drain, then step until every in-flight store committed and no job is pending on a
-    worker (vLLM only steps while has_requests(); in-flight stores keep it stepping
+    """Drain, then step until every in-flight store committed (the index thread applied
+    it) and no job is pending on a worker, then wait for the index thread's queue (vLLM only steps while has_requests(); in-flight stores keep it stepping
     through has_pending_push_work, loads through WAITING_FOR_REMOTE_KVS)."""
     deadline = time.monotonic() + timeout_s
     h.drain(timeout_s=timeout_s)
     while time.monotonic() < deadline:
-        if not sched(h)._inflight_stores and not any(w.pending() for w in workers(h)):
+        if not sched(h).has_pending_stores() and not any(w.pending() for w in workers(h)):
             h.drain(timeout_s=timeout_s)
+            sched(h).index.flush()      # touches and drops queued to the index thread
             return
         h.step()
         time.sleep(0.0005)   # let the I/O threads have the GIL
@@ -158,12 +159,13 @@ def assert_quiescent(h, store: str | None = None, before: set[str] | None = None
     settle(h)
     h.assert_no_leaks()
     s = sched(h)
-    assert s.store.pinned_slots == 0, f"pinned slots left: {dict(s.store._pins)}"
+    assert s.index.pinned_slots == 0, f"pinned slots left: {dict(s.index._pins)}"
     assert not s._candidates and not s._pending_loads and not s._inflight_loads, \
         (s._candidates, s._pending_loads, s._inflight_loads)
     assert not s._inflight_stores and not s._storing_keys
     assert not s._load_invalid and not s._load_failed and not s._requests
-    assert s.store.stats()["reserved_slots"] == 0
+    # reserved slots are the index thread's pool, nothing else
+    assert s.store.stats()["reserved_slots"] == len(s.index._pool)
     for w in workers(h):
         assert w.pending() == 0 and not w._loads, f"rank {w.rank}: jobs in flight"
         assert w.slots.free == w.slots.total, f"rank {w.rank}: staging slots not returned"

@@ -33,8 +33,8 @@ def test_prefix_reuse_across_requests(tmp_path):
         h.step()
         s = sched(h)
         assert set(s._inflight_loads) == set(rids)
-        assert s.store.pinned_slots == 6
-        assert set(s.store._pins.values()) == {3}
+        assert s.index.pinned_slots == 6
+        assert set(s.index._pins.values()) == {3}
         h.drain()
         st = h.stats
         loads_ok(st)
@@ -78,7 +78,7 @@ def test_skip_reading_prefix_cache_never_loads(tmp_path):
         h.add_request(p, max_tokens=1, skip_reading_prefix_cache=True)
         h.drain()
         assert h.stats["external_hit_tokens"] == 0 and h.stats["blocks_loaded"] == 0
-        assert sched(h).store.pinned_slots == 0
+        assert sched(h).index.pinned_slots == 0
         assert conn_stats(h)["hit_blocks"] == 0   # not even looked up
 
 
@@ -113,8 +113,9 @@ def test_tenants_with_different_cache_salt_never_share_blocks(tmp_path):
 def test_lru_eviction_spares_pinned_blocks(tmp_path):
     store = tmp_path / "store"
     a, b, c = prompts(44, 3, 70)        # 4 full blocks each
-    with kv_harness(store, kv_events=True, extra={"capacity": 8 * SLOT}) as h:
-        assert sched(h).store.stats()["capacity_slots"] == 8
+    # 8 slots for data + a pool of 4 reserved slots
+    with kv_harness(store, kv_events=True, extra={"capacity": 12 * SLOT, "slot_pool": 4}) as h:
+        assert sched(h).store.stats()["capacity_slots"] == 12
         h.run([a], max_tokens=1)
         settle(h)
         h.run([b], max_tokens=1)
@@ -124,7 +125,7 @@ def test_lru_eviction_spares_pinned_blocks(tmp_path):
         set_injector(h, gate)
         ra = h.add_request(a, max_tokens=1)   # A's slots pinned for the load ...
         h.step()
-        assert sched(h).store.pinned_slots == 4
+        assert sched(h).index.pinned_slots == 4
         h.add_request(c, max_tokens=1)        # ... while C's store needs 4 slots
         h.step()
         h.step()
@@ -148,7 +149,7 @@ def test_lru_eviction_follows_hits(tmp_path):
     """A disk hit makes a prefix most recently used: the next eviction takes another."""
     store = tmp_path / "store"
     a, b, c = prompts(45, 3, 70)
-    with kv_harness(store, extra={"capacity": 8 * SLOT}) as h:
+    with kv_harness(store, extra={"capacity": 12 * SLOT, "slot_pool": 4}) as h:
         for p in (a, b):
             h.run([p], max_tokens=1)
             settle(h)
@@ -164,40 +165,45 @@ def test_lru_eviction_follows_hits(tmp_path):
 
 
 def test_full_store_drops_stores_and_keeps_serving(tmp_path):
-    """Every slot pinned by in-flight loads: stores are dropped (StoreFull), requests
-    keep being served, and stores resume once the pins are gone."""
+    """Every slot pinned by in-flight loads or reserved by in-flight stores: the pool
+    runs dry, stores are dropped, requests keep being served, and stores resume once the
+    pins are gone."""
     store = tmp_path / "store"
-    a, c = prompts(46, 2, 70)
-    with kv_harness(store, extra={"capacity": 4 * SLOT}) as h:
+    a, c, d = prompts(46, 3, 70)
+    with kv_harness(store, extra={"capacity": 8 * SLOT, "slot_pool": 4}) as h:
         h.run([a], max_tokens=1)
         settle(h)
-        assert sched(h).store.stats()["free_slots"] == 0
+        assert sched(h).store.stats()["free_slots"] == 0     # 4 used, 4 in the pool
         drop_gpu_cache(h)
-        gate = Gate("read")
-        set_injector(h, gate)
-        h.add_request(a, max_tokens=1)          # pins all 4 slots
+        reads, syncs = Gate("read"), Gate("fdatasync")
+        set_injector(h, lambda op, *args: (reads if op == "read" else syncs)(op, *args))
+        h.add_request(a, max_tokens=1)          # pins A's 4 slots
         h.step()
-        assert sched(h).store.pinned_slots == 4
+        assert sched(h).index.pinned_slots == 4
         s0 = conn_stats(h)
         assert s0["stored_blocks"] == 4 and s0["store_dropped_blocks"] == 0
-        rc = h.add_request(c, max_tokens=3)
+        h.add_request(c, max_tokens=3)          # takes the pool's 4 slots (not committed)
+        h.step()
+        sched(h).index.flush()
+        assert len(sched(h).index._pool) == 0   # nothing to refill from: pinned or reserved
+        rd = h.add_request(d, max_tokens=3)
         for _ in range(6):
             h.step()
-        assert rc in h.finished                  # served while nothing could be stored
-        assert not sched(h)._inflight_stores
+        assert rd in h.finished                  # served while nothing could be stored
         s = conn_stats(h)
         assert s["store_dropped_blocks"] == 4 and s["stored_blocks"] == 4
-        gate.open()
+        reads.open()
+        syncs.open()
         set_injector(h, None)
         h.drain()
         settle(h)
         assert h.stats["blocks_mismatched"] == 0
-        # Pins gone: C is stored now (evicting A).
-        h.run([c], max_tokens=1)
+        # Pins gone: D is stored now (evicting).
+        h.run([d], max_tokens=1)
         settle(h)
         drop_gpu_cache(h)
         before = dict(h.stats)
-        loads_ok(h.run([c], max_tokens=1))
+        loads_ok(h.run([d], max_tokens=1))
         assert h.stats["external_hit_tokens"] - before["external_hit_tokens"] == 4 * BS
 
 
@@ -222,18 +228,23 @@ def test_reset_cache_with_stores_and_loads_in_flight(tmp_path):
         # The GPU side refuses (blocks in use); the connector resets: nothing hits any
         # more, not even the entries being read (their slots stay pinned).
         assert h.scheduler.reset_prefix_cache(reset_connector=True) is False
+        assert not any(s.index.contains(k) for k in keys_of(h, a) + keys_of(h, b))
+        s.index.flush()     # LMDB follows on the index thread
         assert s.store.stats()["used_slots"] == 0
-        a_slots = {r.slot for r in s._inflight_loads[ra][1]}
+        a_slots = set(s._inflight_loads[ra][1])
         b_slots = {e.slot for e in pre_reset if e.key in set(keys_of(h, b))}
-        assert s.store.pinned_slots == 4
-        # A store planned after the reset reuses freed slots, but never the ones the
-        # load still reads.
+        assert s.index.pinned_slots == 4
+        # Stores planned after the reset (slots from the pool, refilled from the freed
+        # slots) never get the ones the load still reads.
         jobs_before = set(s._inflight_stores)
         rd = h.add_request(d, max_tokens=1)
         h.step()
-        new_slots = {r.slot for j, st in s._inflight_stores.items() if j not in jobs_before
-                     for r in st["refs"]}
-        assert len(new_slots) == 4 and not new_slots & a_slots and new_slots <= b_slots
+        new_slots = {sl for j, st in s._inflight_stores.items() if j not in jobs_before
+                     for sl in st.slots}
+        assert len(new_slots) == 4 and not new_slots & a_slots
+        s.index.flush()
+        assert not {sl for sl, _ in s.index._pool} & a_slots
+        assert b_slots
         reads.open()
         syncs.open()
         set_injector(h, None)
@@ -243,7 +254,7 @@ def test_reset_cache_with_stores_and_loads_in_flight(tmp_path):
         assert rc in h.finished and ra in h.finished and rd in h.finished
         # The store that was in flight during the reset was not committed.
         assert all(s.store.lookup(k) is None for k in keys_of(h, c))
-        assert s.store.stats()["reserved_slots"] == 0
+        assert s.store.stats()["reserved_slots"] == len(s.index._pool)
         removed = {x for e in h.events if type(e).__name__ == "BlockRemoved"
                    and e.medium == "STORAGE" for x in e.block_hashes}
         assert {event_hash(k) for k in keys_of(h, a) + keys_of(h, b)} <= removed
@@ -253,6 +264,7 @@ def test_reset_cache_with_stores_and_loads_in_flight(tmp_path):
         settle(h)
         assert all(s.store.lookup(k) is not None for k in keys_of(h, b))
         assert h.scheduler_connector.reset_cache() is True
+        s.index.flush()
         assert s.store.stats()["used_slots"] == 0
 
 

@@ -178,20 +178,20 @@ def test_abort_while_load_in_flight(tmp_path):
         h.step()   # lookups, pins, loads start
         s = sched(h)
         assert set(s._inflight_loads) == set(rids)
-        assert s.store.pinned_slots == 15
+        assert s.index.pinned_slots == 15
         h.abort(rids[:2])
         for _ in range(5):
             h.step()
         # vLLM keeps the aborted requests' blocks until the load reports back, and the
         # slots stay pinned while the worker may still read them.
-        assert s.store.pinned_slots == 15
+        assert s.index.pinned_slots == 15
         assert rids[0] in h.scheduler.requests and h.busy()
         gate.wait_hit()
         assert gate.hits == 1                      # the other loads queue behind it
         gate.open()
         h.drain()
         set_injector(h, None)
-        assert s.store.pinned_slots == 0
+        assert s.index.pinned_slots == 0
         assert rids[2] in h.finished and rids[0] not in h.finished
         assert h.stats["requests_aborted"] == 2
         assert h.stats["blocks_mismatched"] == 0
@@ -212,10 +212,10 @@ def test_pins_of_a_request_waiting_for_gpu_blocks(tmp_path):
         for _ in range(3):
             h.step()
             assert r in s._candidates and r not in s._inflight_loads
-            assert s.store.pinned_slots == 5
+            assert s.index.pinned_slots == 5
         assert conn_stats(h)["hit_blocks"] == 5      # one lookup, not one per step
         h.abort(r)
-        assert s.store.pinned_slots == 0 and r not in s._candidates
+        assert s.index.pinned_slots == 0 and r not in s._candidates
         h.drain()
         assert hog in h.finished
 
@@ -312,7 +312,7 @@ def test_write_error_aborts_only_the_failed_blocks(tmp_path):
         keys = keys_of(h, ps[0])
         assert sched(h).store.lookup(keys[1]) is None
         assert all(sched(h).store.lookup(k) is not None for k in keys[:1] + keys[2:])
-        assert sched(h).store.stats()["reserved_slots"] == 0
+        assert sched(h).store.stats()["reserved_slots"] == len(sched(h).index._pool)
         set_injector(h, None)
         drop_gpu_cache(h)
         before = dict(h.stats)

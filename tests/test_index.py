@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvstore.errors import ConfigError, CorruptIndex, KVStoreError, StoreFull
 from kvstore.index import Entry, Index
+from kvstore.index_maint import bulk_load
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -431,14 +432,14 @@ def test_check_consistency_detects_damage(make, tmp_path):
 
 def test_bulk_load(make):
     ix = make(10)
-    n = ix.bulk_load([(k(i), s, 100 + i) for i, s in enumerate([0, 1, 2, 5, 7])],
+    n = bulk_load(ix, [(k(i), s, 100 + i) for i, s in enumerate([0, 1, 2, 5, 7])],
                      keys_sorted=True, batch=2)
     assert n == 5
     s = ix.stats()
     assert s["used_slots"] == 5 and s["free_slots"] == 5 and s["generation"] == 104
     assert [e.key for e in ix.iter_lru()] == [k(i) for i in range(5)]
     with pytest.raises(KVStoreError, match="not empty"):
-        ix.bulk_load([(k(9), 9, 1)])
+        bulk_load(ix, [(k(9), 9, 1)])
     store(ix, [k(50), k(51)])                          # goes to holes 3, 4 first
     assert {ix.lookup(k(50)).slot, ix.lookup(k(51)).slot} == {3, 4}
 

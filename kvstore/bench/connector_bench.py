@@ -1,115 +1,252 @@
-"""`kvstore bench connector`: scheduler-side cost of the connector, through vLLM's scheduler.
+"""`kvstore bench connector`: the connector's time on vLLM's scheduler thread, per step.
 
-Fills a store with requests whose prompts are `prefix_blocks` (default 1000) blocks long,
-restarts the engine (empty GPU cache), replays them, and times every scheduler-side
-connector call (lookup, post-allocation planning, per-step metadata, output processing)
-inside the real vLLM `Scheduler`. Reports time per step and per scheduled request per
-step, next to the scheduler's own `schedule()` time.
+Runs the real vLLM `Scheduler` with the kvstore connector (`kvstore.testing.EngineHarness`,
+CPU KV tensors) over a store whose index is prefilled with `index_entries` entries (the
+store is full: every store evicts), in two phases:
+
+- **store**: new prompts of `prompt_tokens` tokens, one step's token budget each (eager
+  policy, 8k tokens per step by default): every step plans, reserves and commits a full
+  step's worth of blocks;
+- **load**: the engine restarts (empty GPU cache, the store kept) and replays those
+  prompts: every request looks its prefix up, loads it from disk and touches it.
+
+Every scheduler-side connector call is timed; a step's connector time is the sum of its
+calls. Reported per phase: p50/p99/max per step, steps, and the index fsyncs done on the
+scheduler thread (`Index.fsyncs_by_thread`; the target is zero). With `baseline`, the same
+phases run again with `index_thread: false` (the previous design: every index operation,
+commit fsyncs included, on the scheduler thread), on the same store.
+
+The prefilled entries are synthetic (random keys over sparse slot files: they are never
+read), so a 10M-entry store costs index space only.
 """
 from __future__ import annotations
 
 import os
 import random
-import statistics
+import shutil
 import tempfile
+import threading
 import time
-from collections import defaultdict
 
 METHODS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-           "update_connector_output", "request_finished_all_groups")
+           "update_connector_output", "request_finished", "request_finished_all_groups",
+           "take_events", "has_pending_push_work", "get_kv_connector_stats", "on_new_request")
+
+BLOCK_SIZE = 16
 
 
 def _pct(xs, q):
     if not xs:
         return 0.0
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def run(prefix_blocks: int = 1000, requests: int = 8, block_size: int = 16, workdir: str | None = None) -> dict:
+def _prefill(store: str, entries: int, seed: int = 7) -> dict:
+    """Replace the (just created) store at `store` by one of `entries` slots, every slot
+    holding a synthetic committed entry: same layout, sparse slot files, bulk-loaded
+    index. Returns timings."""
+    import numpy as np
+
+    from kvstore.engine import rank_dir, slot_file_path
+    from kvstore.index import Index
+    from kvstore.index_maint import bulk_load
+    from kvstore.layout import StoreGeometry, read_fingerprint, write_fingerprint
+
+    layout, _, _ = read_fingerprint(store)
+    capacity = entries * layout.slot_size * layout.tp_size
+    geo = StoreGeometry.for_capacity(capacity, layout)
+    shutil.rmtree(store)
+    os.mkdir(store, 0o700)
+    for r in range(layout.tp_size):
+        os.mkdir(rank_dir(store, r), 0o700)
+        for i in range(geo.num_files):
+            with open(slot_file_path(store, r, i), "wb") as f:
+                f.truncate(geo.file_slots(i) * geo.slot_size)   # sparse: never read
+    t0 = time.perf_counter()
+    n = geo.num_slots
+    keys = np.random.default_rng(seed).integers(0, 256, size=(n, 36), dtype=np.uint8)
+    keys[:, :8] = np.arange(n, dtype=">u8").view(np.uint8).reshape(n, 8)
+    keys[:, 8] = 0xFF        # never a vLLM block hash of the bench's prompts
+    buf = keys.tobytes()
+    ix = Index(os.path.join(store, "index"), n, create=True, sync=False,
+               map_size=max(1 << 30, n * 600))
+    bulk_load(ix, ((buf[i * 36:(i + 1) * 36], i, i + 1) for i in range(n)),
+              keys_sorted=True, batch=500_000)
+    ix.close()
+    write_fingerprint(store, layout, geo, capacity)
+    return {"prefill_s": round(time.perf_counter() - t0, 1), "capacity_slots": n}
+
+
+class _StepTimer:
+    """Times the scheduler connector's calls and groups them by step (a step starts at
+    `Scheduler.schedule`)."""
+
+    def __init__(self, h):
+        self.h = h
+        self.steps: list[float] = []
+        self.idle: list[float] = []
+        self.calls: dict[str, list[float]] = {}
+        self._cur = None
+        self._thread = threading.get_ident()
+        self.index = h.scheduler_connector.scheduler.store.index
+        self._fsyncs0 = self.index.fsyncs_by_thread[self._thread]
+        conn = h.scheduler_connector
+        for name in METHODS:
+            orig = getattr(conn, name, None)
+            if orig is None:
+                continue
+
+            def timed(*a, _orig=orig, _name=name, **kw):
+                t = time.perf_counter_ns()
+                try:
+                    return _orig(*a, **kw)
+                finally:
+                    dt = time.perf_counter_ns() - t
+                    self.calls.setdefault(_name, []).append(dt / 1e6)
+                    if self._cur is not None:
+                        self._cur[0] += dt
+            setattr(conn, name, timed)
+        sched = h.scheduler
+        orig_schedule = sched.schedule
+
+        def schedule(*a, **kw):
+            self._close()
+            self._cur = [0, False]
+            so = orig_schedule(*a, **kw)
+            self._cur[1] = so.total_num_scheduled_tokens > 0
+            return so
+        sched.schedule = schedule
+
+    def _close(self):
+        if self._cur is not None:
+            (self.steps if self._cur[1] else self.idle).append(self._cur[0] / 1e6)
+            self._cur = None
+
+    def result(self) -> dict:
+        self._close()
+        s = self.steps
+        return {"steps": len(s), "idle_steps": len(self.idle),
+                "idle_step_max_ms": round(max(self.idle, default=0), 4),
+                "call_max_ms": {k: round(max(v), 3) for k, v in self.calls.items()},
+                "step_p50_ms": round(_pct(s, 0.5), 4),
+                "step_p99_ms": round(_pct(s, 0.99), 4), "step_max_ms": round(max(s, default=0), 4),
+                "step_mean_ms": round(sum(s) / max(1, len(s)), 4),
+                "step_thread_fsyncs": self.index.fsyncs_by_thread[self._thread] - self._fsyncs0}
+
+
+def _freeze_heap() -> None:
+    """As vLLM's EngineCore does after start-up (`freeze_gc_heap`): the start-up heap is
+    left out of garbage collections, so a full collection does not walk it mid-step."""
+    from vllm.utils.gc_utils import freeze_gc_heap
+    freeze_gc_heap()
+
+
+def _phases(common: dict, prompts: list, index_thread: bool) -> dict:
+    import gc
+
     from kvstore.testing import EngineHarness
-    tmp = tempfile.TemporaryDirectory(prefix="kvstore-bench-conn-") if workdir is None else None
-    d = workdir or tmp.name
+    cfg = common["kv_transfer_config"]
+    cfg["kv_connector_extra_config"]["index_thread"] = index_thread
+    out = {}
+    t0 = time.perf_counter()
+    with EngineHarness(**common) as h:
+        open_s = time.perf_counter() - t0
+        ix = h.scheduler_connector.scheduler.index
+        ix.wait_ready()
+        out["table_build_s"] = round(ix.build_s, 2)
+        out["engine_open_s"] = round(open_s, 2)
+        _freeze_heap()
+        before = dict(h.stats)
+        sched = h.scheduler_connector.scheduler
+        stored0 = sched.stored_blocks_total
+        timer = _StepTimer(h)
+        for p in prompts:
+            h.add_request(p, max_tokens=1)
+        h.drain()
+        res = timer.result()
+        res["stored_blocks"] = sched.stored_blocks_total - stored0
+        res["planned_blocks"] = len(prompts) * (len(prompts[0]) // BLOCK_SIZE)
+        res["tokens_computed"] = h.stats["tokens_computed"] - before["tokens_computed"]
+        out["store"] = res
+    gc.unfreeze()
+    with EngineHarness(**common) as h:      # restart: GPU cache empty, the store kept
+        ix = h.scheduler_connector.scheduler.index
+        ix.wait_ready()
+        _freeze_heap()
+        before = dict(h.stats)
+        timer = _StepTimer(h)
+        for p in prompts:
+            h.add_request(p, max_tokens=1)
+        h.drain()
+        res = timer.result()
+        res["blocks_loaded"] = sum(w.worker.loaded_bytes_total for w in h.worker_connectors) \
+            // h.scheduler_connector.layout.block_bytes
+        res["disk_hit_tokens"] = h.stats["external_hit_tokens"] - before["external_hit_tokens"]
+        out["load"] = res
+    gc.unfreeze()
+    return out
+
+
+def run(index_entries: int = 1_000_000, requests: int = 48, prompt_tokens: int = 8192,
+        baseline: bool = True, workdir: str | None = None) -> dict:
+    from kvstore.testing import EngineHarness
+    tmp = tempfile.TemporaryDirectory(prefix="kvstore-bench-conn-", dir=workdir)
+    d = tmp.name
+    store = os.path.join(d, "store")
     cfg = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.vllm",
            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-           "kv_connector_extra_config": {"path": os.path.join(d, "store"), "capacity": "2G",
-                                         "staging": "64M"}}
+           "kv_connector_extra_config": {"path": store, "capacity": "2G", "staging": "64M",
+                                         "store_policy": "eager"}}
+    per_step = 8192
+    ntok = prompt_tokens + BLOCK_SIZE // 2
     rng = random.Random(3)
-    ntok = prefix_blocks * block_size + block_size // 2
     prompts = [[rng.randrange(10, 30000) for _ in range(ntok)] for _ in range(requests)]
+    prompts_b = [[rng.randrange(10, 30000) for _ in range(ntok)] for _ in range(requests)]
+    blocks = -(-ntok // BLOCK_SIZE)
     common = dict(kv_transfer_config=cfg, num_layers=1, num_kv_heads=1, head_dim=16,
-                  block_size=block_size, num_gpu_blocks=(prefix_blocks + 8) * 2,
-                  max_num_batched_tokens=8192, max_num_seqs=requests, max_model_len=ntok + 64,
+                  block_size=BLOCK_SIZE, num_gpu_blocks=4 * blocks + 64,
+                  max_num_batched_tokens=per_step, max_num_seqs=8, max_model_len=ntok + 64,
                   workdir=d, verify=False)
+    out: dict = {"index_entries": index_entries, "requests": requests,
+                 "prompt_tokens": prompt_tokens, "tokens_per_step": per_step}
     try:
-        with EngineHarness(**common) as h:        # fill the store
-            for p in prompts:
-                h.run([p], max_tokens=1)
-            h.idle_steps(2)
-            h.drain()
-        with EngineHarness(**common) as h:        # restart: GPU cache empty, disk full
-            conn = h.scheduler_connector
-            times = defaultdict(list)
-            for name in METHODS:
-                orig = getattr(conn, name)
-
-                def timed(*a, _orig=orig, _name=name, **kw):
-                    t = time.perf_counter_ns()
-                    try:
-                        return _orig(*a, **kw)
-                    finally:
-                        times[_name].append((time.perf_counter_ns() - t) / 1e3)
-                setattr(conn, name, timed)
-            sched = h.scheduler
-            orig_schedule = sched.schedule
-            step_us, step_reqs = [], []
-
-            def schedule(*a, **kw):
-                t = time.perf_counter_ns()
-                so = orig_schedule(*a, **kw)
-                step_us.append((time.perf_counter_ns() - t) / 1e3)
-                # Requests the scheduler handled this step (running + still waiting).
-                step_reqs.append(len(sched.running) + len(sched.waiting))
-                return so
-            sched.schedule = schedule
-            for p in prompts:
-                h.add_request(p, max_tokens=4)
-            h.drain()
-            stats = dict(h.stats)
-            stats["blocks_loaded"] = sum(w.worker.loaded_bytes_total for w in h.worker_connectors) \
-                // h.scheduler_connector.layout.block_bytes
+        with EngineHarness(**common):           # creates the store (its layout)
+            pass
+        if index_entries:
+            out.update(_prefill(store, index_entries))
+        res = _phases(common, prompts, index_thread=True)
+        out["phases"] = {"store": res["store"], "load": res["load"]}
+        out["table_build_s"] = res["table_build_s"]
+        out["engine_open_s"] = res["engine_open_s"]
+        if baseline:
+            b = _phases(common, prompts_b, index_thread=False)
+            out["baseline"] = {"phases": {"store": b["store"], "load": b["load"]},
+                               "engine_open_s": b["engine_open_s"]}
     finally:
-        if tmp is not None:
-            tmp.cleanup()
-    steps = len(step_us)
-    per_step_connector = [0.0] * steps
-    total_conn = sum(sum(v) for v in times.values())
-    sched_reqs = sum(step_reqs) or 1
-    return {
-        "prefix_blocks": prefix_blocks,
-        "requests": requests,
-        "steps": steps,
-        "blocks_loaded": stats["blocks_loaded"],
-        "disk_hit_tokens": stats["external_hit_tokens"],
-        "calls": {name: {"n": len(v), "p50_us": _pct(v, 0.5), "p99_us": _pct(v, 0.99),
-                         "total_ms": sum(v) / 1e3} for name, v in times.items()},
-        "schedule_p50_us": _pct(step_us, 0.5),
-        "schedule_p99_us": _pct(step_us, 0.99),
-        "connector_us_per_step": total_conn / max(1, steps),
-        "connector_us_per_request_step": total_conn / sched_reqs,
-        "scheduled_request_steps": sched_reqs,
-    }
+        tmp.cleanup()
+    return out
 
 
 def format_table(r: dict) -> str:
-    lines = [f"kvstore bench connector: {r['requests']} requests with {r['prefix_blocks']}-block cached "
-             f"prefixes, replayed after a restart through vLLM's Scheduler ({r['steps']} steps, "
-             f"{r['blocks_loaded']} blocks loaded)",
-             f"{'connector call':<30} {'calls':>6} {'p50 us':>9} {'p99 us':>9} {'total ms':>9}"]
-    for name, c in r["calls"].items():
-        lines.append(f"{name:<30} {c['n']:>6} {c['p50_us']:>9.1f} {c['p99_us']:>9.1f} {c['total_ms']:>9.2f}")
-    lines.append(f"Scheduler.schedule() per step (incl. connector): p50 {r['schedule_p50_us']:.1f} us, "
-                 f"p99 {r['schedule_p99_us']:.1f} us")
-    lines.append(f"connector time per step: {r['connector_us_per_step']:.1f} us; per scheduled request "
-                 f"per step: {r['connector_us_per_request_step']:.1f} us (target < 100 us)")
+    lines = [f"kvstore bench connector: index prefilled with {r['index_entries']:,} entries "
+             f"(full: every store evicts), {r['requests']} prompts of {r['prompt_tokens']} tokens, "
+             f"{r['tokens_per_step']} tokens per step",
+             f"engine open {r['engine_open_s']:.2f} s; lookup table built in the background in "
+             f"{r['table_build_s']:.2f} s",
+             "connector time on the scheduler thread per step (ms):",
+             f"{'design':<22} {'phase':<6} {'steps':>6} {'p50':>8} {'p99':>8} {'max':>8} "
+             f"{'fsyncs':>7}"]
+    rows = [("index thread (new)", r["phases"])]
+    if "baseline" in r:
+        rows.append(("synchronous (old)", r["baseline"]["phases"]))
+    for name, phases in rows:
+        for ph in ("store", "load"):
+            p = phases[ph]
+            lines.append(f"{name:<22} {ph:<6} {p['steps']:>6} {p['step_p50_ms']:>8.3f} "
+                         f"{p['step_p99_ms']:>8.3f} {p['step_max_ms']:>8.3f} "
+                         f"{p['step_thread_fsyncs']:>7}")
+    st, ld = r["phases"]["store"], r["phases"]["load"]
+    lines.append(f"store phase: {st['stored_blocks']} of {st['planned_blocks']} blocks committed; load phase: "
+                 f"{ld['blocks_loaded']} blocks loaded, {ld['disk_hit_tokens']} tokens from disk")
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """Benchmark of the LMDB index (`kvstore bench index`): prefix walks, lookups, commits, size,
-open time, at a few index sizes. Touches only a scratch directory."""
+open time, at a few index sizes, and the connector's lookup path (the scheduler's in-memory
+`KeyTable`: build time, 1000-key prefix walks, misses). Touches only a scratch directory."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 import numpy as np
 
 from kvstore.index import Index
+from kvstore.index_maint import bulk_load
 
 DEFAULT_ENTRIES = [100_000, 1_000_000, 10_000_000]
 CHAIN = 1000
@@ -37,7 +39,7 @@ def _build(path: str, n: int, keys: np.ndarray) -> float:
     t0 = time.perf_counter()
     ix = Index(path, n, create=True, sync=False, map_size=max(1 << 30, n * 600))
     buf = keys.tobytes()
-    ix.bulk_load(((buf[i * 32:(i + 1) * 32], i, i + 1) for i in range(n)),
+    bulk_load(ix, ((buf[i * 32:(i + 1) * 32], i, i + 1) for i in range(n)),
                  keys_sorted=True, batch=500_000)
     ix.close()
     return time.perf_counter() - t0
@@ -77,6 +79,26 @@ def _one(n: int, root: str) -> dict:
         ix.longest_prefix(c)
         times.append((time.perf_counter() - t0) * 1e3)
 
+    # The connector's lookup path: the scheduler's in-memory table, built from this index.
+    from kvstore._keytable import KeyTable
+    table = KeyTable(n)
+    t0 = time.perf_counter()
+    ix.load_keys(table)
+    table_build_s = time.perf_counter() - t0
+    ttimes = []
+    for c in chains:
+        t0 = time.perf_counter()
+        slots, _ = table.prefix(c)
+        ttimes.append((time.perf_counter() - t0) * 1e3)
+        assert len(slots) == CHAIN
+    misses = [b"miss" + c[0] for c in chains]
+    t0 = time.perf_counter()
+    for m in misses:
+        table.prefix([m] + chains[0][1:])
+    miss_us = (time.perf_counter() - t0) / len(misses) * 1e6
+    table_mb = table.nbytes / 2**20
+    del table
+
     probe = [key(int(i)) for i in rng.integers(0, n, LOOKUPS)]
     t0 = time.perf_counter()
     for p in probe:
@@ -109,6 +131,11 @@ def _one(n: int, root: str) -> dict:
         "prefix1000_p50_ms": round(statistics.median(times), 3),
         "prefix1000_p99_ms": round(_pct(times, 99), 3),
         "lookups_per_s": round(lookups_per_s),
+        "table_prefix1000_p50_ms": round(statistics.median(ttimes), 3),
+        "table_prefix1000_p99_ms": round(_pct(ttimes, 99), 3),
+        "table_miss_us": round(miss_us, 2),
+        "table_build_s": round(table_build_s, 2),
+        "table_mb": round(table_mb, 1),
         "commit1000_ms": round(statistics.median(total_ms), 3),
         "reserve1000_ms": round(statistics.median(reserve_ms), 3),
         "commit_only1000_ms": round(statistics.median(commit_ms), 3),
@@ -121,7 +148,9 @@ def _one(n: int, root: str) -> dict:
 
 
 _COLS = [("entries", "entries", "{:>10}"), ("prefix1000_p50_ms", "pfx p50 ms", "{:>10.3f}"),
-         ("prefix1000_p99_ms", "pfx p99 ms", "{:>10.3f}"), ("lookups_per_s", "lookups/s", "{:>10}"),
+         ("prefix1000_p99_ms", "pfx p99 ms", "{:>10.3f}"),
+         ("table_prefix1000_p50_ms", "tbl p50 ms", "{:>10.3f}"), ("table_miss_us", "tbl miss us", "{:>11.2f}"),
+         ("table_build_s", "tbl build s", "{:>11.2f}"), ("lookups_per_s", "lookups/s", "{:>10}"),
          ("commit1000_ms", "rsv+cmt ms", "{:>10.2f}"), ("touch1000_ms", "touch ms", "{:>9.2f}"),
          ("bytes_per_entry", "B/entry", "{:>8.1f}"), ("open_s", "open s", "{:>7.3f}"),
          ("build_s", "build s", "{:>8.1f}")]
@@ -129,7 +158,8 @@ _COLS = [("entries", "entries", "{:>10}"), ("prefix1000_p50_ms", "pfx p50 ms", "
 
 def run(entries: list[int] | None = None, json_out: bool = False, tmpdir: str | None = None
         ) -> dict:
-    """Build an index per size in `entries`, measure, print a table (or JSON), return
+    """Build an index per size in `entries`, measure, print the table rows as they come
+    (unless json_out: then nothing is printed, the caller prints the JSON), return
     {"results": [...]}. Scratch indexes go under tmpdir (default: a temp dir) and are removed."""
     entries = list(entries or DEFAULT_ENTRIES)
     root = tempfile.mkdtemp(prefix="kvstore-index-bench-", dir=tmpdir)
@@ -145,10 +175,7 @@ def run(entries: list[int] | None = None, json_out: bool = False, tmpdir: str | 
                 print("  ".join(fmt.format(res[k]) for k, _, fmt in _COLS), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    out = {"results": results}
-    if json_out:
-        print(json.dumps(out, indent=2))
-    return out
+    return {"results": results}
 
 
 if __name__ == "__main__":
@@ -158,4 +185,6 @@ if __name__ == "__main__":
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--tmpdir")
     a = ap.parse_args()
-    run(a.entries or None, a.json, a.tmpdir)
+    res = run(a.entries or None, a.json, a.tmpdir)
+    if a.json:
+        print(json.dumps(res, indent=2))

@@ -38,6 +38,7 @@ def run(requests: int = 20000, interval: int = 2000, capacity: str = "16M", batc
                            block_size=16, num_gpu_blocks=128, max_num_batched_tokens=1024,
                            max_num_seqs=16, workdir=d) as h:
             store = h.scheduler_connector.scheduler.store
+            sidx = h.scheduler_connector.scheduler.index    # pins live in the serving index
             t0 = time.perf_counter()
             last_t, last_n, done = t0, 0, 0
             out(f"{'requests':>9} {'req/s':>7} {'RSS MiB':>8} {'fds':>5} {'pinned':>6} {'used':>6} "
@@ -55,7 +56,7 @@ def run(requests: int = 20000, interval: int = 2000, capacity: str = "16M", batc
                     now = time.perf_counter()
                     s = store.stats()
                     row = {"requests": done, "req_per_s": (done - last_n) / (now - last_t),
-                           "rss_mb": _rss_mb(), "fds": _fds(), "pinned": s["pinned_slots"],
+                           "rss_mb": _rss_mb(), "fds": _fds(), "pinned": sidx.pinned_slots,
                            "used": s["used_slots"], "evictions": s["evictions"],
                            "loaded": h.stats["blocks_loaded"], "mismatched": h.stats["blocks_mismatched"]}
                     samples.append(row)
@@ -66,7 +67,7 @@ def run(requests: int = 20000, interval: int = 2000, capacity: str = "16M", batc
             h.idle_steps(2)
             h.drain()
             h.assert_no_leaks()
-            final_pins = store.pinned_slots
+            final_pins = sidx.pinned_slots
             elapsed = time.perf_counter() - t0
     warm = samples[len(samples) // 2:] if len(samples) >= 2 else samples
     rss_growth = warm[-1]["rss_mb"] - warm[0]["rss_mb"] if warm else 0.0

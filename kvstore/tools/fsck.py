@@ -47,7 +47,8 @@ from kvstore import _slotfile
 from kvstore._slotfile import HEADER_SIZE, SlotFile
 from kvstore.engine import RankIO, WriterLock, rank_dir, slot_file_path
 from kvstore.errors import CorruptIndex, CorruptSlot, KVStoreError, StoreLocked, StoreNotFound
-from kvstore.index import Index, rebuild_index
+from kvstore.index import Index
+from kvstore.index_maint import rebuild_index, snapshot
 from kvstore.layout import FINGERPRINT, format_size, read_fingerprint
 
 __all__ = ["fsck", "Finding", "Report", "KINDS", "format_text",
@@ -290,7 +291,7 @@ class _Check:
     def scan_index(self, ix: Index) -> dict:
         """Pass 2 in one snapshot. Returns what the later passes need."""
         rep, cap = self.rep, self.cap
-        with ix.snapshot() as snap:
+        with snapshot(ix) as snap:
             counters = snap.counters()
             entries = list(snap.entries())
             slot_rows = dict(snap.slot_rows())

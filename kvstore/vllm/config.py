@@ -28,12 +28,15 @@ class ConnectorConfig:
     load_timeout_s: float = 30.0
     max_store_blocks_per_step: int = 4096
     create: bool = True
+    index_thread: bool = True
+    slot_pool: int | None = None
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "ConnectorConfig":
         extra = dict(extra or {})
         known = {"path", "capacity", "io_mode", "queue_depth", "store_policy", "verify",
-                 "durability", "staging", "load_timeout_s", "max_store_blocks_per_step", "create"}
+                 "durability", "staging", "load_timeout_s", "max_store_blocks_per_step", "create",
+                 "index_thread", "slot_pool"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kvstore: unknown kv_connector_extra_config key(s) {unknown}; "
@@ -65,6 +68,9 @@ class ConnectorConfig:
         create = extra.get("create", True)
         if not isinstance(create, bool):
             raise ConfigError(f"kvstore: create={create!r} must be true or false")
+        index_thread = extra.get("index_thread", True)
+        if not isinstance(index_thread, bool):
+            raise ConfigError(f"kvstore: index_thread={index_thread!r} must be true or false")
         return cls(
             path=os.path.abspath(os.path.expanduser(path)),
             capacity=capacity,
@@ -77,6 +83,9 @@ class ConnectorConfig:
             load_timeout_s=float(timeout),
             max_store_blocks_per_step=integer("max_store_blocks_per_step", 4096, 1, 1 << 20),
             create=create,
+            index_thread=index_thread,
+            slot_pool=None if extra.get("slot_pool") is None
+            else integer("slot_pool", None, 1, 1 << 24),
         )
 
 

@@ -32,6 +32,14 @@ class StoreJob:
 
 
 @dataclass
+class StoreReport:
+    """What the ranks reported about one store job: how many ranks finished it, and the
+    block indices (into the job) that failed on any of them."""
+    ranks: int
+    failed: list[int] = field(default_factory=list)
+
+
+@dataclass
 class KVStoreMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
@@ -41,18 +49,18 @@ class KVStoreMetadata(KVConnectorMetadata):
 class KVStoreWorkerMeta(KVConnectorWorkerMetadata):
     """What the workers finished since the last step, summed over ranks.
 
-    store_reports: job_id -> [ranks that reported, sorted failed block indices (any rank)]
+    store_reports: job_id -> StoreReport (ranks that reported, sorted failed block indices)
     bad_keys: keys whose slot failed verification or I/O on a load (to drop).
     """
-    store_reports: dict[int, list] = field(default_factory=dict)
+    store_reports: dict[int, StoreReport] = field(default_factory=dict)
     bad_keys: list[bytes] = field(default_factory=list)
 
     def aggregate(self, other: "KVStoreWorkerMeta") -> "KVStoreWorkerMeta":
-        out = KVStoreWorkerMeta({k: [v[0], list(v[1])] for k, v in self.store_reports.items()},
-                                list(self.bad_keys))
-        for job, (n, failed) in other.store_reports.items():
-            cur = out.store_reports.setdefault(job, [0, []])
-            cur[0] += n
-            cur[1] = sorted(set(cur[1]) | set(failed))
+        out = KVStoreWorkerMeta({k: StoreReport(v.ranks, list(v.failed))
+                                 for k, v in self.store_reports.items()}, list(self.bad_keys))
+        for job, rep in other.store_reports.items():
+            cur = out.store_reports.setdefault(job, StoreReport(0, []))
+            cur.ranks += rep.ranks
+            cur.failed = sorted(set(cur.failed) | set(rep.failed))
         out.bad_keys.extend(k for k in other.bad_keys if k not in set(out.bad_keys))
         return out

@@ -1,29 +1,45 @@
 """Scheduler side of the kvstore connector: decides, never does I/O.
 
-Owns the store's index (the single LMDB writer of the store): longest-prefix lookups for
-new requests, pins on the slots a load is about to read, slot reservations for stores,
-the commit of a store once every TP rank reported it durable, LRU touches, KV events and
-statistics. It never raises into the engine while serving: a failure becomes a miss, a
-dropped store, or a recompute, and is logged once.
+Owns the store (the single LMDB writer of the store) through a `ServingIndex`:
+longest-prefix lookups for new requests and pins on the slots a load is about to read
+(in memory), slots for stores (from the index thread's pool), the commit of a store once
+every TP rank reported it durable, LRU touches and drops (queued to the index thread,
+never waited for), KV events and statistics. It never raises into the engine while
+serving: a failure becomes a miss, a dropped store, or a recompute, and is logged once.
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from kvstore.engine import DiskStore, SlotRef, ensure_store
-from kvstore.errors import KVStoreError, StoreFull
+from kvstore.engine import DiskStore, ensure_store
+from kvstore.errors import KVStoreError
+from kvstore.serving_index import ServingIndex, SyncServingIndex
 from kvstore.vllm.config import ConnectorConfig, block_key
 from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob
 from kvstore.vllm.metrics import KVStoreStats
 
 log = logging.getLogger("kvstore.vllm.scheduler")
 MEDIUM = "STORAGE"
+
+
+@dataclass
+class InflightStore:
+    """A store job between planning and its commit: reported by `ranks` ranks so far.
+    Blocks are parallel lists (no object per block: a step stores hundreds of them)."""
+    keys: list[bytes]
+    slots: list[int]
+    generations: list[int]
+    origins: list                   # (token ids, parent hash) per block, for BlockStored events
+    started: float
+    ranks: int = 0
+    failed: set[int] = field(default_factory=set)   # block indices, from any rank
+    reset: bool = False             # reset_cache ran meanwhile: nothing is committed
 
 
 class KVStoreScheduler:
@@ -39,11 +55,28 @@ class KVStoreScheduler:
         self.events_enabled = events_enabled
         sc = vllm_config.scheduler_config
         self._lazy_target = 2 * -(-sc.max_num_batched_tokens // self.block_size)
+        # The pool holds four steps' worth of store slots (eager: the blocks a step's
+        # tokens complete, one more per request), 16 at least, and an eighth of the store
+        # at most: its slots hold no data (`slot_pool` sets it, up to half the store).
+        per_step = min(cfg.max_store_blocks_per_step,
+                       self._lazy_target if cfg.store_policy == "lazy"
+                       else self._lazy_target // 2 + sc.max_num_seqs)
+        cap = self.store.geometry.num_slots
+        pool = cfg.slot_pool or min(max(16, 4 * per_step), max(1, cap // 8))
+        try:
+            if cfg.index_thread:
+                self.index = ServingIndex(self.store, pool_target=pool)
+            else:
+                self.index = SyncServingIndex(self.store)
+        except BaseException:
+            self.store.close()
+            raise
         self._next_job = 1
         self._requests: dict[str, Any] = {}
-        self._candidates: dict[str, tuple[int, list[SlotRef]]] = {}  # pinned, pre-alloc
+        # req -> (first block, keys, slots, generations) of its pinned lookup, pre-alloc
+        self._candidates: dict[str, tuple[int, list, list, list]] = {}
         self._pending_loads: list[LoadJob] = []
-        self._inflight_loads: dict[str, tuple[LoadJob, list[SlotRef]]] = {}
+        self._inflight_loads: dict[str, tuple[LoadJob, list[int]]] = {}   # job, pinned slots
         # Requests whose disk load failed (error, corruption, timeout): they recompute and
         # never read the disk again, or a stalled disk would make them load, time out and
         # look up the same blocks forever (a block-0 failure resets num_computed_tokens).
@@ -51,9 +84,10 @@ class KVStoreScheduler:
         # Failed blocks of in-flight loads. A rank reports its failed blocks when its
         # part ends, which can be steps before the last rank finishes the request.
         self._load_invalid: dict[str, set[int]] = {}
-        self._inflight_stores: dict[int, dict] = {}
-        self._abort_later: list[SlotRef] = []   # reservations whose abort failed
-        self._storing_keys: set[bytes] = set()
+        self._inflight_stores: dict[int, InflightStore] = {}
+        self._committing = 0                    # stores handed to the index thread
+        self.stored_blocks_total = 0            # blocks committed since start (benchmarks)
+        self._storing_keys: set[bytes] = set()  # planned, not yet committed or dropped
         self._stored_upto: dict[str, int] = {}
         self._to_touch: list[bytes] = []
         self._events: list = []
@@ -81,7 +115,7 @@ class KVStoreScheduler:
     def _release_candidate(self, req_id: str) -> None:
         cand = self._candidates.pop(req_id, None)
         if cand is not None:
-            self.store.unpin(r.slot for r in cand[1])
+            self.index.unpin(cand[2])
 
     def bind(self, kv_cache_manager) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -99,7 +133,7 @@ class KVStoreScheduler:
             # Re-entry while the request waits for GPU blocks: the pinned lookup result
             # is still valid (pins keep it from eviction; a block dropped since then
             # fails verification on load and is recomputed), so skip the index walk.
-            return len(cand[1]) * self.block_size, True
+            return len(cand[2]) * self.block_size, True
         self._release_candidate(req_id)
         if getattr(request.sampling_params, "skip_reading_prefix_cache", False) or \
                 req_id in self._inflight_loads or req_id in self._load_failed:
@@ -113,43 +147,41 @@ class KVStoreScheduler:
             return 0, False
         try:
             keys = self._request_keys(request, start, end)
-            entries = self.store.longest_prefix(keys)
+            slots, gens = self.index.lookup_pin(keys)   # pinned: eviction skips them
         except KVStoreError as exc:
             self._warn_once("lookup", exc)
             return 0, False
-        if not entries:
+        n = len(slots)
+        if not n:
             self._stats.add(miss_lookups=1)
-            self.store.count_hits(0, 1)
+            self.index.count_hits(0, 1)
             return 0, False
-        refs = [SlotRef(e.key, e.slot, e.generation) for e in entries]
-        self.store.pin(r.slot for r in refs)
-        self._candidates[req_id] = (start, refs)
-        self._stats.add(hit_blocks=len(refs))
+        self._candidates[req_id] = (start, keys[:n], slots, gens)
+        self._stats.add(hit_blocks=n)
         # As DiskStore.get counts: hits in blocks, a miss per lookup that stopped short.
-        self.store.count_hits(len(refs), 0 if len(refs) == len(keys) else 1)
-        return len(refs) * bs, True
+        self.index.count_hits(n, 0 if n == len(keys) else 1)
+        return n * bs, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         req_id = request.request_id
         cand = self._candidates.pop(req_id, None)
         if cand is None:
             return
-        start, refs = cand
+        start, keys, slots, gens = cand
         n = num_external_tokens // self.block_size
         if n <= 0:
-            self.store.unpin(r.slot for r in refs)
+            self.index.unpin(slots)
             return
-        self.store.unpin(r.slot for r in refs[n:])
-        refs = refs[:n]
+        self.index.unpin(slots[n:])
+        keys, slots, gens = keys[:n], slots[:n], gens[:n]
         block_ids = list(blocks.get_block_ids()[0][start:start + n])
         if len(block_ids) != n:
-            self.store.unpin(r.slot for r in refs)
+            self.index.unpin(slots)
             self._warn_once("load planning", KVStoreError(f"expected {n} blocks, got {len(block_ids)}"))
             return
-        job = LoadJob(self._job_id(), req_id, block_ids, [r.key for r in refs],
-                      [r.slot for r in refs], [r.generation for r in refs])
+        job = LoadJob(self._job_id(), req_id, block_ids, keys, slots, gens)
         self._pending_loads.append(job)
-        self._inflight_loads[req_id] = (job, refs)
+        self._inflight_loads[req_id] = (job, slots)
         self._stats.add(hit_tokens=n * self.block_size)
 
     # -- stores ----------------------------------------------------------------------
@@ -213,42 +245,28 @@ class KVStoreScheduler:
         if not picked:
             return []
         try:
-            present = {k for k, _, _ in picked if self.store.lookup(k) is not None}
+            contains = self.index.contains
+            picked = [p for p in picked if not contains(p[0])][: self.cfg.max_store_blocks_per_step]
+            if not picked:
+                return []
+            # Slots from the index thread's pool (already reserved, victims already
+            # evicted): a prefix of the blocks when the pool runs short.
+            keys = [k for k, _, _ in picked]
+            slots, gens = self.index.take(keys)
         except KVStoreError as exc:
-            self._warn_once("store lookup", exc)
-            return []
-        picked = [p for p in picked if p[0] not in present][: self.cfg.max_store_blocks_per_step]
-        if not picked:
-            return []
-        try:
-            try:
-                refs, evicted = self.store.reserve([k for k, _, _ in picked])
-            except StoreFull:
-                # Store what fits (in prefix order) instead of nothing: slots that are
-                # neither pinned nor reserved can still be taken.
-                s = self.store.stats()
-                room = s["free_slots"] + s["used_slots"] - self.store.pinned_slots
-                if room <= 0:
-                    raise
-                self._stats.add(store_dropped_blocks=len(picked) - room)
-                picked = picked[:room]
-                refs, evicted = self.store.reserve([k for k, _, _ in picked])
-        except StoreFull:
+            self._warn_once("store planning", exc)
             self._stats.add(store_dropped_blocks=len(picked))
             return []
-        except KVStoreError as exc:
-            self._warn_once("reserve", exc)
-            self._stats.add(store_dropped_blocks=len(picked))
+        n = len(slots)
+        if n < len(picked):
+            self._stats.add(store_dropped_blocks=len(picked) - n)
+        if not n:
             return []
-        if evicted:
-            self._stats.add(evicted_blocks=len(evicted))
-            self._emit_removed([e.key for e in evicted])
-        by_key = {k: (bid, origin) for k, bid, origin in picked}
-        job = StoreJob(self._job_id(), [by_key[r.key][0] for r in refs], [r.key for r in refs],
-                       [r.slot for r in refs], [r.generation for r in refs])
-        self._inflight_stores[job.job_id] = {"refs": refs, "ranks": 0, "failed": set(),
-                                             "origins": [by_key[r.key][1] for r in refs],
-                                             "reset": False, "t": time.monotonic()}
+        picked, keys = picked[:n], keys[:n]
+        job = StoreJob(self._job_id(), [bid for _, bid, _ in picked], keys, slots, gens)
+        self._inflight_stores[job.job_id] = InflightStore(
+            keys=keys, slots=slots, generations=gens,
+            origins=[origin for _, _, origin in picked], started=time.monotonic())
         self._storing_keys.update(job.keys)
         return [job]
 
@@ -265,16 +283,16 @@ class KVStoreScheduler:
     def update_connector_output(self, output) -> None:
         wm = output.kv_connector_worker_meta
         if isinstance(wm, KVStoreWorkerMeta):
-            for job_id, (n, failed) in wm.store_reports.items():
+            for job_id, report in wm.store_reports.items():
                 st = self._inflight_stores.get(job_id)
                 if st is None:
                     continue
-                st["ranks"] += n
-                st["failed"].update(failed)
-                if st["ranks"] >= self.tp_size:
+                st.ranks += report.ranks
+                st.failed.update(report.failed)
+                if st.ranks >= self.tp_size:
                     self._finish_store(job_id, st)
             if wm.bad_keys:
-                self._drop_bad(wm.bad_keys)
+                self.index.drop(wm.bad_keys)
         done = set(output.finished_recving or ()) | set(getattr(output, "failed_recving", ()) or ())
         invalid = getattr(output, "invalid_block_ids", None)
         if invalid:
@@ -286,8 +304,8 @@ class KVStoreScheduler:
             item = self._inflight_loads.pop(req_id, None)
             if item is None:
                 continue
-            job, refs = item
-            self.store.unpin(r.slot for r in refs)
+            job, slots = item
+            self.index.unpin(slots)
             # Counted here, once per block: the workers' counts are per rank, and the
             # union of failed blocks over the ranks is only known after aggregation.
             failed = len(self._load_invalid.pop(req_id, ()))
@@ -295,57 +313,49 @@ class KVStoreScheduler:
             if failed:
                 self._load_failed.add(req_id)
             self._to_touch.extend(job.keys)
-        self._retry_aborts()
         if self._to_touch:
-            try:
-                self.store.touch(self._to_touch)
-            except KVStoreError as exc:
-                self._warn_once("LRU touch", exc)
+            self.index.touch(self._to_touch)
             self._to_touch = []
+        self._index_events()
 
-    def _finish_store(self, job_id: int, st: dict) -> None:
+    def _finish_store(self, job_id: int, st: InflightStore) -> None:
+        """Every rank reported: the good blocks are durable. Their commit (and its fsync)
+        is the index thread's; the keys stay in `_storing_keys` until it is applied."""
         del self._inflight_stores[job_id]
-        refs = st["refs"]
-        self._storing_keys.difference_update(r.key for r in refs)
-        if st["reset"]:
-            good, bad = [], refs
+        items = list(zip(st.keys, st.slots, st.generations))
+        if st.reset:
+            good, bad = [], items
+        elif st.failed:
+            good = [x for i, x in enumerate(items) if i not in st.failed]
+            bad = [x for i, x in enumerate(items) if i in st.failed]
         else:
-            good = [r for i, r in enumerate(refs) if i not in st["failed"]]
-            bad = [r for i, r in enumerate(refs) if i in st["failed"]]
-        try:
-            if bad:
-                self.store.abort(bad)
-            if good:
-                self.store.commit(good)
-        except KVStoreError as exc:
-            # The index cannot be written (e.g. the disk is full): the store is dropped,
-            # and its reservations are given back now or, failing that, on a later step,
-            # so a long disk-full episode does not eat the store's capacity.
-            self._warn_once("commit", exc)
-            self._stats.add(store_dropped_blocks=len(refs) if not st["reset"] else 0)
-            self._abort_later.extend(refs)
-            self._retry_aborts()
-            return
-        self._stats.add(stored_blocks=len(good), store_dropped_blocks=len(bad) if not st["reset"] else 0)
-        if good and self.events_enabled:
-            self._emit_stored(good, st["origins"], refs)
+            good, bad = items, []
+        self._committing += 1
+        self.index.commit(good, bad, tag=st)
 
-    def _retry_aborts(self) -> None:
-        if not self._abort_later:
-            return
-        try:
-            self.store.abort(self._abort_later)
-            self._abort_later = []
-        except KVStoreError:
-            pass  # still unwritable: try again next step
-
-    def _drop_bad(self, keys: list[bytes]) -> None:
-        try:
-            dropped = self.store.drop(keys)
-        except KVStoreError as exc:
-            self._warn_once("drop of a corrupt entry", exc)
-            return
-        self._emit_removed([e.key for e in dropped])
+    def _index_events(self) -> None:
+        """Outcomes of the index thread: commits applied, entries evicted or dropped."""
+        for ev in self.index.poll():
+            if ev.kind == "committed":
+                st = ev.tag
+                self._committing -= 1
+                self._storing_keys.difference_update(st.keys)
+                if ev.error is not None:
+                    # The index cannot be written (e.g. the disk is full): the store is
+                    # dropped; its reservations are given back when the index can be.
+                    self._warn_once("commit", ev.error)
+                self.stored_blocks_total += len(ev.items)
+                if not st.reset:
+                    self._stats.add(stored_blocks=len(ev.items), store_dropped_blocks=ev.failed)
+                if ev.items and self.events_enabled:
+                    self._emit_stored(ev.items, st)
+            elif ev.kind == "evicted":
+                self._stats.add(evicted_blocks=len(ev.keys))
+                self._emit_removed(ev.keys)
+            elif ev.kind == "dropped":
+                self._emit_removed(ev.keys)
+            elif ev.kind == "error":
+                self._warn_once(ev.what, ev.error)
 
     # -- events ----------------------------------------------------------------------
     def _emit_removed(self, keys: list[bytes]) -> None:
@@ -353,17 +363,17 @@ class KVStoreScheduler:
             self._events.append(BlockRemoved(
                 block_hashes=[maybe_convert_block_hash(k[:-4]) for k in keys], medium=MEDIUM))
 
-    def _emit_stored(self, good, origins, refs) -> None:
-        origin_of = {r.key: o for r, o in zip(refs, origins)}
+    def _emit_stored(self, good, st: InflightStore) -> None:
+        origin_of = dict(zip(st.keys, st.origins))
         bs = self.block_size
-        for r in good:
+        for key, _slot, _gen in good:
             # Lazy stores come from vLLM's free queue, which keeps no tokens: their
             # events carry the hash only.
-            tokens, parent = origin_of.get(r.key) or ([], None)
+            tokens, parent = origin_of.get(key) or ([], None)
             self._events.append(BlockStored(
-                block_hashes=[maybe_convert_block_hash(r.key[:-4])], parent_block_hash=parent,
+                block_hashes=[maybe_convert_block_hash(key[:-4])], parent_block_hash=parent,
                 token_ids=tokens, block_size=bs, lora_id=None, medium=MEDIUM, lora_name=None,
-                group_idx=int.from_bytes(r.key[-4:], "big")))
+                group_idx=int.from_bytes(key[-4:], "big")))
 
     def take_events(self):
         ev, self._events = self._events, []
@@ -382,7 +392,13 @@ class KVStoreScheduler:
         return False, None
 
     def has_pending_stores(self) -> bool:
-        return bool(self._inflight_stores)
+        # A store is pending until its commit's outcome is taken in a step (its stats and
+        # events are published with that step's output).
+        if self._committing and not self._inflight_stores and not self._requests:
+            # Nothing but commits left: the engine would spin on empty steps, taking the
+            # GIL from the index thread it waits for; sleep until it reports (2 ms at most).
+            self.index.wait_events(0.002)
+        return bool(self._inflight_stores) or self._committing > 0
 
     def reset_cache(self) -> bool:
         """Drop every committed entry; in-flight stores abort.
@@ -392,24 +408,19 @@ class KVStoreScheduler:
         hands out a pinned slot, so those reads still see the bytes they verify.
         """
         for st in self._inflight_stores.values():
-            st["reset"] = True
+            st.reset = True
         try:
-            drop = [e.key for e in self.store.index.iter_entries()]
-            for i in range(0, len(drop), 10000):
-                dropped = self.store.drop(drop[i:i + 10000])
-                self._emit_removed([e.key for e in dropped])
+            self.index.drop_all()   # misses from now on; LMDB follows on the index thread
         except KVStoreError as exc:
             self._warn_once("reset", exc)
             return False
         return True
 
     def get_stats(self) -> KVStoreStats | None:
-        try:
-            s = self.store.stats()
-            self._stats.data["used_slots"] = s["used_slots"]
-            self._stats.data["free_slots"] = s["free_slots"]
-        except KVStoreError:
-            pass
+        self._index_events()
+        g = self.index.gauges()
+        self._stats.data["used_slots"] = g["used_slots"]
+        self._stats.data["free_slots"] = g["free_slots"]
         if self._stats.is_empty() and "used_slots" not in self._stats.data:
             return None
         out = KVStoreStats(dict(self._stats.data))
@@ -418,10 +429,13 @@ class KVStoreScheduler:
 
     def shutdown(self) -> None:
         try:
-            abandoned = [r for st in self._inflight_stores.values() for r in st["refs"]]
+            abandoned = [x for st in self._inflight_stores.values()
+                         for x in zip(st.keys, st.slots, st.generations)]
             if abandoned and not self.store.closed:
-                self.store.abort(abandoned)
+                self.index.abort(abandoned)
+            self.index.close()      # applies queued commits, gives the pool back
         except KVStoreError:
             pass
-        self._inflight_stores.clear()
-        self.store.close()
+        finally:
+            self._inflight_stores.clear()
+            self.store.close()

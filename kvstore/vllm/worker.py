@@ -25,7 +25,7 @@ from kvstore.errors import KVStoreError
 from kvstore.rankio import RankIO, SlotRef
 from kvstore.transfer import KVTransfer
 from kvstore.vllm.config import ConnectorConfig
-from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob
+from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob, StoreReport
 from kvstore.vllm.metrics import KVStoreStats
 
 log = logging.getLogger("kvstore.vllm.worker")
@@ -41,6 +41,10 @@ class _LoadState:
     failed_idx: set = field(default_factory=set)   # blocks vLLM recomputes
     bad_idx: set = field(default_factory=set)      # of those, blocks whose entry is dropped
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # The I/O thread's bookkeeping while the load runs (published at `_finish_load`):
+    io_failed: set = field(default_factory=set)
+    io_bad: set = field(default_factory=set)
+    left: int = 0                                  # blocks not yet delivered or failed
 
 
 class KVStoreWorker:
@@ -73,8 +77,8 @@ class KVStoreWorker:
         self._finished_loads: set[str] = set()
         self._bad_block_ids: set[int] = set()
         self._bad_keys: list[bytes] = []
-        self._store_reports: dict[int, list] = {}
-        self._stats = KVStoreStats()
+        self._store_reports: dict[int, StoreReport] = {}
+        self._stats = KVStoreStats()     # updated and taken under self._lock
         self._meta: KVStoreMetadata | None = None
         self._started_jobs: set[int] = set()
         self._closed = False
@@ -234,12 +238,16 @@ class KVStoreWorker:
         if failed:
             log.warning("kvstore rank %d: %d of %d block writes failed (first: %s); they are "
                         "not committed", self.rank, len(failed), len(refs), errors[failed[0]])
-        self._stats.add(stored_bytes=(len(refs) - len(failed)) * self.io.payload_len)
+        self._add_stats(stored_bytes=(len(refs) - len(failed)) * self.io.payload_len)
         self._report_store(job.job_id, failed + dropped)
 
     def _report_store(self, job_id: int, failed: list[int]) -> None:
         with self._lock:
-            self._store_reports[job_id] = [1, failed]
+            self._store_reports[job_id] = StoreReport(ranks=1, failed=sorted(failed))
+
+    def _add_stats(self, **counts) -> None:
+        with self._lock:
+            self._stats.add(**counts)
 
     def _do_load(self, states: list) -> None:
         t0 = time.perf_counter()
@@ -258,12 +266,10 @@ class KVStoreWorker:
             for i, (k, s, g) in enumerate(zip(job.keys, job.slots, job.generations)):
                 refs.append(SlotRef(k, s, g))
                 owner.append((st, i))
-        failed: dict[int, set] = {id(st): set() for st in states}   # recompute these
-        bad: dict[int, set] = {id(st): set() for st in states}      # and drop these entries
-        left = {id(st): len(st.job.keys) for st in states}
         for st in states:
+            st.left = len(st.job.keys)
             if not st.job.keys:
-                self._finish_load(st, failed[id(st)], bad[id(st)])
+                self._finish_load(st)
         # Two staging areas when the load spans several chunks: the ring reads the next
         # chunk while this thread scatters the previous one into the KV cache.
         # Areas take what is free (stores may hold most of staging): a smaller area only
@@ -290,34 +296,34 @@ class KVStoreWorker:
                 g = groups.setdefault(id(st), (st, [], [], [0]))
                 g[3][0] += 1
                 if e is not None:
-                    failed[id(st)].add(i)
-                    bad[id(st)].add(i)       # this slot's bytes are unreadable or wrong
+                    st.io_failed.add(i)
+                    st.io_bad.add(i)         # this slot's bytes are unreadable or wrong
                     log.warning("kvstore rank %d: load of block %d of request %s failed: %s; "
                                 "it will be recomputed", self.rank, i, st.job.req_id, e)
                 else:
                     g[1].append(stage[j])
                     g[2].append(st.job.block_ids[i])
-            for key, (st, stage_ids, block_ids, count) in groups.items():
+            for st, stage_ids, block_ids, count in groups.values():
                 with st.lock:
                     if not st.cancelled and stage_ids:   # timed out: vLLM recomputes, hands off
                         after, st.after = st.after, 0
                         self.transfer.wait(self.transfer.scatter(stage_ids, block_ids, after))
-                left[key] -= count[0]
-                if left[key] == 0:
-                    self._finish_load(st, failed[key], bad[key])
+                st.left -= count[0]
+                if st.left == 0:
+                    self._finish_load(st)
 
         # No staging, or the pass itself failed (not one slot's bytes): vLLM recomputes
         # what was not delivered, and the store keeps its entries (they may be fine).
         if not areas:
             for st in states:
-                failed[id(st)].update(range(len(st.job.keys)))
+                st.io_failed.update(range(len(st.job.keys)))
         else:
             try:
                 self.io.read_pipelined(refs, areas, consume, verify=self.cfg.verify)
             except Exception as exc:
                 for st in states:
-                    if left[id(st)]:
-                        failed[id(st)].update(range(len(st.job.keys)))
+                    if st.left:
+                        st.io_failed.update(range(len(st.job.keys)))
                 log.warning("kvstore rank %d: load of %d request(s) failed: %s; recomputing "
                             "them", self.rank, len(states), exc)
             finally:
@@ -327,22 +333,22 @@ class KVStoreWorker:
             if st.after:   # no block of it was copied: its ordering ticket is unused
                 self.transfer.release(st.after)
                 st.after = 0
-            if left[id(st)]:     # not reported from consume: no staging, or the read raised
-                left[id(st)] = 0
-                self._finish_load(st, failed[id(st)], bad[id(st)])
+            if st.left:     # not reported from consume: no staging, or the read raised
+                st.left = 0
+                self._finish_load(st)
 
-    def _finish_load(self, st: _LoadState, failed: set, bad: set) -> None:
+    def _finish_load(self, st: _LoadState) -> None:
         with st.lock:
             if st.cancelled:
                 return
-            st.failed_idx = failed
-            st.bad_idx = bad
+            failed = st.failed_idx = st.io_failed
+            st.bad_idx = st.io_bad
             st.done = True
         n = len(st.job.keys)
         self.loaded_bytes_total += (n - len(failed)) * self.io.payload_len
         # Block counts (loaded_blocks, load_failures) are the scheduler's: once per
         # block, not once per rank.
-        self._stats.add(loaded_bytes=(n - len(failed)) * self.io.payload_len)
+        self._add_stats(loaded_bytes=(n - len(failed)) * self.io.payload_len)
 
     # -- reports to the scheduler ----------------------------------------------------
     def _collect_loads(self) -> None:
@@ -394,10 +400,12 @@ class KVStoreWorker:
         return KVStoreWorkerMeta(store_reports=reports, bad_keys=bad)
 
     def get_stats(self) -> KVStoreStats | None:
-        if self._stats.is_empty():
-            return None
-        out = KVStoreStats(dict(self._stats.data))
-        self._stats.reset()
+        # Copy and reset under the lock the I/O thread adds under: no count is lost.
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            out = KVStoreStats(dict(self._stats.data))
+            self._stats.reset()
         return out
 
     def pending(self) -> int:

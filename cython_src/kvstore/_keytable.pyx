@@ -1,0 +1,241 @@
+# The scheduler's in-memory copy of the index's keys db: key -> (slot, generation).
+#
+# An open-addressing hash table (linear probing, backward-shift deletion, no tombstones)
+# in one C array sized once for the store's capacity, so it never grows or rehashes while
+# serving: 24 bytes per bucket, at most 70% full (about 34 bytes per slot of capacity).
+# Keys are not kept, only a 96-bit XXH3-128 fingerprint: two different keys share a
+# fingerprint with probability ~2^-96 per pair, and even then a load reads the slot's
+# header, which names the real key, so a wrong hit is recomputed, never served.
+# A prefix walk costs one hash and (mostly) one cache miss per key; a miss stops it.
+from libc.stdint cimport uint32_t, uint64_t
+from libc.string cimport memset
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_Check
+
+cdef extern from "xxhash.h" nogil:
+    ctypedef struct XXH128_hash_t:
+        unsigned long long low64
+        unsigned long long high64
+    XXH128_hash_t XXH3_128bits(const void *data, size_t length)
+
+cdef extern from "<unistd.h>" nogil:
+    int usleep(unsigned int usec)
+
+cdef extern from "<sys/mman.h>" nogil:
+    void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
+    int munmap(void *addr, size_t length)
+    int madvise(void *addr, size_t length, int advice)
+    int PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_ANONYMOUS, MADV_HUGEPAGE
+    void *MAP_FAILED
+
+cdef extern from *:
+    """
+    #define KT_PREFETCH(p) __builtin_prefetch((p), 0, 1)
+    """
+    void KT_PREFETCH(const void *p) nogil
+
+DEF BATCH = 32
+
+
+cdef struct Bucket:
+    uint64_t fp         # 0: empty
+    uint64_t gen
+    uint32_t slot
+    uint32_t fp2
+
+
+cdef inline void _fingerprint(bytes key, uint64_t *fp, uint32_t *fp2):
+    cdef XXH128_hash_t h = XXH3_128bits(PyBytes_AS_STRING(key), <size_t>PyBytes_GET_SIZE(key))
+    fp[0] = h.low64 if h.low64 != 0 else 1
+    fp2[0] = <uint32_t>(h.high64 >> 32)
+
+
+cdef class KeyTable:
+    """key (bytes) -> (slot, generation), for at most `capacity` keys; see the module notes.
+
+    Not thread-safe: callers serialize access (the scheduler's serving index does it with
+    one lock shared by the step thread and the index thread).
+    """
+    cdef Bucket *t
+    cdef size_t tbytes
+    cdef uint64_t mask
+    cdef readonly Py_ssize_t capacity
+    cdef Py_ssize_t n
+
+    def __cinit__(self, Py_ssize_t capacity):
+        if capacity < 1:
+            raise ValueError(f"KeyTable: capacity must be >= 1, got {capacity}")
+        cdef uint64_t size = 16
+        while size * 7 < <uint64_t>capacity * 10:
+            size *= 2
+        # Anonymous zeroed memory, asked for as huge pages (a prefix walk is one random
+        # access per key: 4 KiB pages would add a TLB miss to most of them).
+        self.tbytes = size * sizeof(Bucket)
+        cdef void *p = mmap(NULL, self.tbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        if p == MAP_FAILED:
+            p = NULL
+        else:
+            madvise(p, self.tbytes, MADV_HUGEPAGE)
+        self.t = <Bucket *>p
+        if self.t == NULL:
+            raise MemoryError(f"KeyTable: cannot allocate {size * sizeof(Bucket)} bytes "
+                              f"for {capacity} keys")
+        self.mask = size - 1
+        self.capacity = capacity
+        self.n = 0
+
+    def __dealloc__(self):
+        if self.t != NULL:
+            munmap(self.t, self.tbytes)
+        self.t = NULL
+
+    def __len__(self):
+        return self.n
+
+    @property
+    def nbytes(self):
+        return (self.mask + 1) * sizeof(Bucket)
+
+    cdef inline Py_ssize_t _find(self, uint64_t fp, uint32_t fp2):
+        cdef uint64_t i = fp & self.mask
+        cdef Bucket *b
+        while True:
+            b = &self.t[i]
+            if b.fp == 0:
+                return -1
+            if b.fp == fp and b.fp2 == fp2:
+                return <Py_ssize_t>i
+            i = (i + 1) & self.mask
+
+    cdef int _put(self, uint64_t fp, uint32_t fp2, uint32_t slot, uint64_t gen) except -1:
+        cdef uint64_t i = fp & self.mask
+        cdef Bucket *b
+        while True:
+            b = &self.t[i]
+            if b.fp == 0:
+                if self.n >= self.capacity:
+                    raise OverflowError(f"KeyTable is full ({self.capacity} keys, the store's "
+                                        "capacity): the index holds more keys than slots")
+                b.fp = fp
+                b.fp2 = fp2
+                b.slot = slot
+                b.gen = gen
+                self.n += 1
+                return 0
+            if b.fp == fp and b.fp2 == fp2:
+                b.slot = slot
+                b.gen = gen
+                return 0
+            i = (i + 1) & self.mask
+
+    cdef void _delete_at(self, uint64_t i):
+        cdef uint64_t j = i, k
+        cdef uint64_t mask = self.mask
+        while True:
+            j = (j + 1) & mask
+            if self.t[j].fp == 0:
+                break
+            k = self.t[j].fp & mask
+            # the entry at j stays when its home k lies cyclically in (i, j]
+            if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
+                continue
+            self.t[i] = self.t[j]
+            i = j
+        memset(&self.t[i], 0, sizeof(Bucket))
+        self.n -= 1
+
+    def get(self, bytes key):
+        """(slot, generation) of key, or None."""
+        cdef uint64_t fp
+        cdef uint32_t fp2
+        _fingerprint(key, &fp, &fp2)
+        cdef Py_ssize_t i = self._find(fp, fp2)
+        if i < 0:
+            return None
+        return self.t[i].slot, self.t[i].gen
+
+    def __contains__(self, bytes key):
+        cdef uint64_t fp
+        cdef uint32_t fp2
+        _fingerprint(key, &fp, &fp2)
+        return self._find(fp, fp2) >= 0
+
+    def put(self, bytes key, uint32_t slot, uint64_t gen):
+        """Insert or replace key -> (slot, gen)."""
+        cdef uint64_t fp
+        cdef uint32_t fp2
+        _fingerprint(key, &fp, &fp2)
+        self._put(fp, fp2, slot, gen)
+
+    def remove(self, bytes key, long long slot=-1):
+        """Remove key (only while it maps to `slot`, when given). True if removed."""
+        cdef uint64_t fp
+        cdef uint32_t fp2
+        _fingerprint(key, &fp, &fp2)
+        cdef Py_ssize_t i = self._find(fp, fp2)
+        if i < 0 or (slot >= 0 and self.t[i].slot != <uint32_t>slot):
+            return False
+        self._delete_at(<uint64_t>i)
+        return True
+
+    def clear(self):
+        memset(self.t, 0, (self.mask + 1) * sizeof(Bucket))
+        self.n = 0
+
+    def prefix(self, list keys):
+        """(slots, generations) of keys[0..i), where keys[i] is the first key not present."""
+        # In batches: hash a batch and prefetch every home bucket, then probe, so the
+        # batch's cache misses overlap; a miss ends the walk (misses cost one batch at most).
+        cdef list slots = [], gens = []
+        cdef uint64_t fps[BATCH]
+        cdef uint32_t fp2s[BATCH]
+        cdef Py_ssize_t n = len(keys), start = 0, stop, j, i
+        cdef object k
+        while start < n:
+            stop = min(n, start + BATCH)
+            for j in range(start, stop):
+                k = keys[j]
+                if not PyBytes_Check(k):
+                    raise TypeError(f"KeyTable keys are bytes, got {type(k).__name__}")
+                _fingerprint(<bytes>k, &fps[j - start], &fp2s[j - start])
+                KT_PREFETCH(&self.t[fps[j - start] & self.mask])
+            for j in range(stop - start):
+                i = self._find(fps[j], fp2s[j])
+                if i < 0:
+                    return slots, gens
+                slots.append(self.t[i].slot)
+                gens.append(self.t[i].gen)
+            start = stop
+        return slots, gens
+
+    def load(self, rows, Py_ssize_t yield_every=65536, unsigned int yield_us=100):
+        """Insert every (key, value) of `rows`, value packed as the index's keys db row
+        (slot u32, generation u64, tick u64, little-endian). The GIL is dropped every 1024
+        rows and released for `yield_us` microseconds every `yield_every` rows, so that a
+        long load in a background thread does not keep another thread (vLLM's scheduler)
+        from running. Returns the count."""
+        cdef Py_ssize_t count = 0
+        cdef uint64_t fp
+        cdef uint32_t fp2
+        cdef const unsigned char *v
+        cdef uint32_t slot
+        cdef uint64_t gen
+        cdef object k, val
+        cdef int j
+        for k, val in rows:
+            if not PyBytes_Check(k) or not PyBytes_Check(val) or PyBytes_GET_SIZE(val) < 12:
+                raise ValueError("KeyTable.load: rows must be (bytes key, packed value >= 12 bytes)")
+            v = <const unsigned char *>PyBytes_AS_STRING(val)
+            slot = (<uint32_t>v[0]) | (<uint32_t>v[1] << 8) | (<uint32_t>v[2] << 16) | (<uint32_t>v[3] << 24)
+            gen = 0
+            for j in range(7, -1, -1):
+                gen = (gen << 8) | v[4 + j]
+            _fingerprint(<bytes>k, &fp, &fp2)
+            self._put(fp, fp2, slot, gen)
+            count += 1
+            if count % 1024 == 0:
+                with nogil:     # a thread that waited a switch interval takes the GIL here
+                    pass
+            if yield_every > 0 and count % yield_every == 0:
+                with nogil:
+                    usleep(yield_us)
+        return count

@@ -1,0 +1,497 @@
+"""The scheduler's serving index: lookups from memory, LMDB writes on a background thread.
+
+vLLM's scheduler thread (the "step thread") must never wait on the disk. `ServingIndex`
+sits between it and the store's LMDB `Index`:
+
+- **lookups** (`lookup_pin`, `contains`) read an in-memory table key -> (slot,
+  generation) (`kvstore._keytable.KeyTable`, rebuilt from LMDB at open), never LMDB;
+- **slots for stores** (`take`) come from a pool of slots the index thread reserved in
+  LMDB ahead of time (free slots first, then LRU victims, whose keys leave the table
+  before their slots are handed out);
+- **writes** (`commit`, `abort`, `touch`, `drop`, hit counters) are queued to the index
+  thread and never waited for; their outcomes (entries committed, evicted, dropped) come
+  back through `poll`.
+
+LMDB stays the durable truth and the table follows it: a key enters the table only after
+its commit is fsynced (so a hit is always durable), and leaves it before LMDB forgets it.
+The index thread is the only LMDB writer. One lock (`_lock`) covers the table and the pins
+together, so a lookup that pins a slot and an eviction that checks the pins cannot
+interleave: the index thread never evicts a pinned slot, and a slot it took is no longer
+findable.
+
+While the table is being built at open (a few seconds at 10M entries, in the index
+thread), lookups go to LMDB through read transactions and the pool keeps the slots
+reserved at open. `SyncServingIndex` is the previous design (every operation on the
+caller's thread, fsync included), kept as the baseline `kvstore bench connector` compares
+against (`index_thread: false`).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore._keytable import KeyTable
+from kvstore.engine import DiskStore
+from kvstore.errors import KVStoreError, StoreFull
+from kvstore.index import Entry
+
+log = logging.getLogger("kvstore.serving_index")
+
+# Inside its LMDB transactions the index thread sleeps this long every few dozen rows
+# (`Index.pause`): the GIL is then free for the step thread, which would otherwise wait for
+# it up to the interpreter's switch interval (5 ms) while the index thread runs Python.
+_YIELD_S = 0.0001
+
+
+@dataclass
+class IndexEvent:
+    """An outcome of the index thread, for the step thread (`ServingIndex.poll`)."""
+    kind: str                       # "committed", "evicted", "dropped", "error"
+    tag: object = None              # the caller's tag of a commit (its store job)
+    items: list = field(default_factory=list)    # committed: (key, slot, generation) now hits
+    keys: list = field(default_factory=list)     # evicted/dropped: keys that left the index
+    failed: int = 0                 # committed: blocks not committed (stale or write error)
+    error: Exception | None = None  # error: what failed (the step thread logs it once)
+    what: str = ""
+
+
+class ServingIndex:
+    """See the module docstring. Methods without a leading underscore are for the step
+    thread; `_run` and the helpers it calls run on the index thread."""
+
+    def __init__(self, store: DiskStore, *, pool_target: int = 1024):
+        self.store = store
+        self.index = store._writable()
+        self.capacity = self.index.capacity_slots
+        # The pool may hold at most half of a (tiny) store: its slots hold no data.
+        self.pool_target = max(1, min(pool_target, self.capacity // 2))
+        self._lock = threading.Lock()
+        self._pins: Counter = Counter()
+        self._table = KeyTable(self.capacity)
+        self._ready = False
+        self._pool: deque[tuple[int, int]] = deque()
+        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._events: deque[IndexEvent] = deque()
+        self._posted = threading.Event()
+        self._queued = 0            # commits queued and not applied (step thread reads)
+        self._applied = 0
+        self._closed = False
+        self._gauges = self._read_gauges()
+        self.build_s = 0.0
+        self._refill(sync=True)     # stores can start before the table is built
+        self.index.pause = self._yield
+        self._thread = threading.Thread(target=self._run, name="kvstore-index", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ step thread
+
+    @property
+    def ready(self) -> bool:
+        """True once the lookup table holds every committed key."""
+        return self._ready
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the table is built (tests and benchmarks; serving never waits)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ready and self._thread.is_alive():
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        return self._ready
+
+    def lookup_pin(self, keys: list[bytes]) -> tuple[list[int], list[int]]:
+        """(slots, generations) of the longest cached prefix of keys (keys[:len(slots)]);
+        the slots are pinned (unpin them when done). Plain lists: no object per block."""
+        if not self._ready:
+            entries = self.index.longest_prefix(keys)   # LMDB read txn, until the table is built
+            slots, gens = [e.slot for e in entries], [e.generation for e in entries]
+            with self._lock:
+                self._pins.update(slots)
+            return slots, gens
+        with self._lock:
+            slots, gens = self._table.prefix(keys)
+            if slots:
+                self._pins.update(slots)
+        return slots, gens
+
+    def contains(self, key: bytes) -> bool:
+        if not self._ready:
+            return self.index.lookup(key) is not None
+        return key in self._table
+
+    def pin(self, slots: Iterable[int]) -> None:
+        with self._lock:
+            self._pins.update(slots)
+
+    def unpin(self, slots: Iterable[int]) -> None:
+        with self._lock:
+            pins = self._pins
+            for s in slots:
+                c = pins.get(s, 0)
+                if c <= 1:
+                    pins.pop(s, None)
+                else:
+                    pins[s] = c - 1
+
+    @property
+    def pinned_slots(self) -> int:
+        return len(self._pins)
+
+    def take(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
+        """(slots, generations): a reserved slot for each of keys, in order, from the pool;
+        fewer (for a prefix of keys) when the pool runs short. The index thread refills it."""
+        pool = self._pool
+        n = min(len(keys), len(pool))
+        got = [pool.popleft() for _ in range(n)]
+        if keys:    # taken from, or dry (pins may have gone since): the index thread refills
+            self._ops.put(("refill",))
+        return [s for s, _ in got], [g for _, g in got]
+
+    def commit(self, good: Sequence[tuple], bad: Sequence[tuple] = (), tag=None) -> None:
+        """Queue: abort `bad`, commit `good` ((key, slot, generation) durably written on
+        every rank) with one fsync; a "committed" event with `tag` follows. Keys become hits
+        once it is applied."""
+        self._queued += 1
+        self._ops.put(("commit", list(good), list(bad), tag))
+
+    def abort(self, items: Sequence[tuple]) -> None:
+        """Queue: give (key, slot, generation) reservations back."""
+        if items:
+            self._ops.put(("abort", list(items)))
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            self._ops.put(("touch", list(keys)))
+
+    def drop(self, keys: Sequence[bytes]) -> None:
+        """Remove entries (a load found them bad): no new lookup hits them from now on; a
+        "dropped" event names the ones LMDB removed."""
+        if not keys:
+            return
+        with self._lock:
+            for k in keys:
+                self._table.remove(k)
+        self._ops.put(("drop", list(keys)))
+
+    def drop_all(self) -> None:
+        """Every committed entry goes (reset_cache): misses from now on."""
+        with self._lock:
+            self._table.clear()
+        self._ops.put(("drop_all",))
+
+    def count_hits(self, hits: int, misses: int) -> None:
+        self._ops.put(("count", hits, misses))
+
+    def poll(self) -> list[IndexEvent]:
+        """Outcomes of the index thread since the last poll."""
+        out = []
+        ev = self._events
+        while ev:
+            out.append(ev.popleft())
+        return out
+
+    def wait_events(self, timeout: float) -> None:
+        """Sleep until the index thread reports something, `timeout` at most. For an engine
+        with nothing else to do than wait for commits: it sleeps instead of spinning (a
+        spinning step thread takes the GIL from the index thread it waits for)."""
+        if self._posted.wait(timeout):
+            self._posted.clear()
+
+    def pending_commits(self) -> int:
+        return self._queued - self._applied
+
+    def gauges(self) -> dict:
+        """used/free slot counts as of the index thread's last transaction (no LMDB read)."""
+        return dict(self._gauges)
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every queued operation is applied (tests, benchmarks, shutdown)."""
+        done = threading.Event()
+        self._ops.put(("mark", done))
+        if not done.wait(timeout):
+            raise KVStoreError(f"index thread did not catch up within {timeout:.0f}s")
+
+    def close(self) -> None:
+        """Apply what is queued, give the pool's slots back, stop the thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._ops.put(("stop",))
+        self._thread.join(timeout=120)
+        self.index.pause = None
+        if self._thread.is_alive():
+            log.error("kvstore: index thread still busy after 120s at shutdown; its "
+                      "reservations are reclaimed at the next open")
+
+    # ------------------------------------------------------------------ index thread
+
+    def _post(self, ev: IndexEvent) -> None:
+        self._events.append(ev)
+        self._posted.set()
+
+    def _fail(self, what: str, exc: Exception) -> None:
+        self._post(IndexEvent("error", what=what, error=exc))
+
+    def _read_gauges(self) -> dict:
+        s = self.index.stats()
+        return {"used_slots": s["used_slots"], "free_slots": s["free_slots"],
+                "reserved_slots": s["reserved_slots"]}
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.index.load_keys(self._table)
+        except Exception as exc:  # LMDB lookups stay in use: slower, still correct
+            log.error("kvstore: building the lookup table failed (%s); lookups read LMDB", exc)
+            self._fail("building the lookup table", exc)
+        else:
+            self.build_s = time.perf_counter() - t0
+            self._ready = True
+        stop = False
+        while not stop:
+            ops = [self._ops.get()]
+            while True:     # everything queued by now is handled in this round
+                try:
+                    ops.append(self._ops.get_nowait())
+                except queue.Empty:
+                    break
+            touches: list[bytes] = []
+            hits = misses = 0
+            marks = []
+            for op in ops:
+                kind = op[0]
+                try:
+                    if kind == "touch":
+                        touches.extend(op[1])
+                        continue
+                    if touches:         # keep the order of touches and the other writes
+                        self._touch(touches)
+                        touches = []
+                    if kind == "commit":
+                        self._commit(op[1], op[2], op[3])
+                    elif kind == "abort":
+                        self.index.abort(op[1])
+                    elif kind == "drop":
+                        self._drop(op[1])
+                    elif kind == "drop_all":
+                        self._drop_all()
+                    elif kind == "count":
+                        hits += op[1]
+                        misses += op[2]
+                    elif kind == "mark":
+                        marks.append(op[1])
+                    elif kind == "stop":
+                        stop = True
+                except Exception as exc:
+                    self._fail(kind, exc)
+            try:
+                if touches:
+                    self._touch(touches)
+                if hits or misses:
+                    self.index.count_hits(hits, misses)
+                if stop:
+                    self._shutdown()
+                else:
+                    self._refill()
+                self._gauges = self._read_gauges()
+            except Exception as exc:
+                self._fail("index upkeep", exc)
+            for m in marks:
+                m.set()
+
+    @staticmethod
+    def _yield() -> None:
+        time.sleep(_YIELD_S)
+
+    def _claim(self, removed: list):
+        """reserve_pool's claim: refuse pinned slots; evicted keys leave the table first."""
+        table, pins = self._table, self._pins
+
+        def claim(cands):
+            taken = set()
+            with self._lock:
+                for key, slot in cands:
+                    if slot in pins:
+                        continue
+                    if key is not None and self._ready:
+                        v = table.get(key)
+                        if v is not None and v[0] == slot and table.remove(key, slot):
+                            removed.append((key, slot, v[1]))
+                    taken.add(slot)
+            return taken
+        return claim
+
+    def _refill(self, sync: bool = False) -> None:
+        while len(self._pool) < self.pool_target:
+            removed: list = []
+            n = self.pool_target - len(self._pool)
+            try:
+                got, evicted = self.index.reserve_pool(n, self._claim(removed))
+            except BaseException:
+                with self._lock:    # LMDB still has them: they stay hits
+                    for k, s, g in removed:
+                        self._table.put(k, s, g)
+                raise
+            self._pool.extend(got)
+            if evicted:
+                self._post(IndexEvent("evicted", keys=[e.key for e in evicted]))
+            if len(got) < n:
+                return      # everything left is pinned or reserved: try again later
+
+    def _commit(self, good: list[tuple], bad: list[tuple], tag) -> None:
+        failed = len(bad)
+        try:
+            if bad:
+                self.index.abort(bad)
+            skipped = set()
+            if good:
+                skipped.update(self.index.commit(good, sync=False))
+                self.index.sync()   # durable before any of it becomes a hit
+            live = [x for x in good if x not in skipped] if skipped else good
+            failed += len(good) - len(live)
+            with self._lock:
+                table = self._table
+                for k, s, g in live:
+                    if k not in table:      # a duplicate keeps the existing entry
+                        table.put(k, s, g)
+        except Exception as exc:
+            # The index cannot be written (disk full...): the store is dropped and its
+            # reservations are given back when the index can be written again.
+            self._post(IndexEvent("committed", tag=tag, failed=len(good) + len(bad), error=exc))
+            self._retry_abort(good + bad)
+            return
+        finally:
+            self._applied += 1
+        try:
+            self._gauges = self._read_gauges()  # the step that takes the event sees them
+        except KVStoreError:
+            pass
+        self._post(IndexEvent("committed", tag=tag, items=live, failed=failed))
+
+    def _retry_abort(self, items: list[tuple]) -> None:
+        try:
+            self.index.abort(items)
+        except KVStoreError:
+            self._ops.put(("abort", items))  # still unwritable: next round
+            time.sleep(0.05)
+
+    def _touch(self, keys: list[bytes]) -> None:
+        self.index.touch(keys)
+
+    def _drop(self, keys: list[bytes]) -> None:
+        dropped: list[Entry] = []
+        for i in range(0, len(keys), 10000):
+            dropped.extend(self.index.drop(keys[i:i + 10000]))
+        with self._lock:
+            for e in dropped:
+                self._table.remove(e.key, e.slot)
+        if dropped:
+            self._post(IndexEvent("dropped", keys=[e.key for e in dropped]))
+
+    def _drop_all(self) -> None:
+        keys = [e.key for e in self.index.iter_entries()]
+        self._drop(keys)
+        with self._lock:
+            self._table.clear()
+
+    def _shutdown(self) -> None:
+        pool = list(self._pool)
+        self._pool.clear()
+        if pool:
+            self.index.abort([s for s, _ in pool])
+
+
+class SyncServingIndex(ServingIndex):
+    """The previous design, as a baseline: every operation runs on the caller's thread,
+    lookups walk LMDB, a store's slots are reserved (with evictions) when it is planned,
+    and a commit fsyncs on the caller's thread. Same interface as `ServingIndex`."""
+
+    class _NoTable:
+        """Lookups read LMDB: commits have no table to update."""
+        def __contains__(self, key):
+            return True
+
+    def __init__(self, store: DiskStore, *, pool_target: int = 0):
+        self.store = store
+        self.index = store._writable()
+        self.capacity = self.index.capacity_slots
+        self.pool_target = 0
+        self._lock = threading.Lock()
+        self._table = self._NoTable()
+        self._pins = Counter()
+        self._ready = True
+        self._events = deque()
+        self._posted = threading.Event()
+        self._queued = self._applied = 0
+        self._closed = False
+        self.build_s = 0.0
+
+    def wait_ready(self, timeout=None) -> bool:
+        return True
+
+    def wait_events(self, timeout: float) -> None:
+        pass
+
+    def lookup_pin(self, keys):
+        entries = self.index.longest_prefix(keys)
+        slots = [e.slot for e in entries]
+        self._pins.update(slots)
+        return slots, [e.generation for e in entries]
+
+    def contains(self, key):
+        return self.index.lookup(key) is not None
+
+    def take(self, keys):
+        try:
+            items, evicted = self.index.reserve(list(keys), self._pins.keys())
+        except StoreFull:
+            return [], []
+        if evicted:
+            self._post(IndexEvent("evicted", keys=[e.key for e in evicted]))
+        return [s for _, s, _ in items], [g for _, _, g in items]
+
+    def commit(self, good, bad=(), tag=None):
+        self._queued += 1
+        self._commit(list(good), list(bad), tag)
+
+    def _retry_abort(self, items):
+        try:
+            self.index.abort(items)
+        except KVStoreError:
+            pass
+
+    def abort(self, items):
+        if items:
+            self.index.abort(list(items))
+
+    def touch(self, keys):
+        if keys:
+            self.index.touch(list(keys))
+
+    def drop(self, keys):
+        if keys:
+            dropped = self.index.drop(list(keys))
+            if dropped:
+                self._post(IndexEvent("dropped", keys=[e.key for e in dropped]))
+
+    def drop_all(self):
+        keys = [e.key for e in self.index.iter_entries()]
+        for i in range(0, len(keys), 10000):
+            self.drop(keys[i:i + 10000])
+
+    def count_hits(self, hits, misses):
+        self.index.count_hits(hits, misses)
+
+    def gauges(self):
+        return self._read_gauges()
+
+    def flush(self, timeout=60.0):
+        pass
+
+    def close(self):
+        self._closed = True

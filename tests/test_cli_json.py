@@ -1,0 +1,88 @@
+"""Every `--json` output of the `kvstore` command is exactly one JSON object.
+
+The commands are found by walking the click command tree, so a new command with a
+`--json` flag fails this test until it is listed in ARGS (with arguments that keep it
+small). Each runs as a real subprocess (`python -m kvstore.cli`), and its whole stdout
+must parse as one JSON object: a command that prints its object twice, or a table line
+before it, fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import click
+import numpy as np
+import pytest
+
+from kvstore.cli import main
+from kvstore.engine import DiskStore
+from kvstore.layout import Layout
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCK = 4096
+LAYOUT = Layout(model="tiny-llama", dtype="bfloat16", block_size=16, block_bytes=BLOCK,
+                num_layers=2, num_kv_heads=2, head_dim=16, tp_size=1)
+
+# command path -> arguments ({src}/{dst}: stores made by the fixture), and whether a
+# non-zero exit status is expected to still print the JSON (soak's verdict on a tiny run).
+ARGS = {
+    ("bench", "io"): ["--size", "8M", "--block-size", "128K", "--rounds", "1"],
+    ("bench", "index"): ["--entries", "2000"],
+    ("bench", "connector"): ["--index-entries", "1000", "--requests", "2", "--prompt-tokens",
+                             "64", "--no-baseline"],
+    ("bench", "soak"): ["--requests", "40", "--interval", "20"],
+    ("bench", "peers"): ["--size", "16M", "--block-sizes", "128K", "--rounds", "1", "--samples",
+                         "2", "--prefix-blocks", "16"],
+    ("info",): ["{src}"],
+    ("fsck",): ["{src}"],
+    ("warmup",): ["{dst}", "--from-store", "{src}", "--all"],
+    ("demo",): ["--sessions", "1"],
+}
+MAY_FAIL = {("bench", "soak")}
+
+
+def _json_commands(group: click.Group, prefix=()):
+    for name, cmd in group.commands.items():
+        path = prefix + (name,)
+        if isinstance(cmd, click.Group):
+            yield from _json_commands(cmd, path)
+        elif any("--json" in p.opts for p in cmd.params if isinstance(p, click.Option)):
+            yield path
+
+
+def test_every_json_command_is_covered():
+    found = set(_json_commands(main))
+    assert found == set(ARGS), (f"commands with --json not covered here: {sorted(found - set(ARGS))}; "
+                                f"listed but gone: {sorted(set(ARGS) - found)}")
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli-json")
+    src, dst = str(d / "src"), str(d / "dst")
+    rng = np.random.default_rng(0)
+    with DiskStore.create(src, LAYOUT, 32 * (BLOCK + 4096), io=True, staging_bytes=1 << 20) as st:
+        keys = [b"key-%04d" % i for i in range(8)]
+        st.put(keys, lambda i, r: rng.integers(0, 256, BLOCK, dtype=np.uint8))
+    DiskStore.create(dst, LAYOUT, 32 * (BLOCK + 4096)).close()
+    return {"src": src, "dst": dst}
+
+
+@pytest.mark.parametrize("path", sorted(ARGS), ids=lambda p: "-".join(p))
+def test_json_output_parses_as_one_object(path, stores, tmp_path):
+    args = [a.format(**stores) for a in ARGS[path]]
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli", *path, *args, "--json"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    if path not in MAY_FAIL:
+        assert r.returncode == 0, f"{' '.join(path)} exited {r.returncode}: {r.stderr[-2000:]}"
+    try:
+        doc = json.loads(r.stdout)
+    except json.JSONDecodeError as exc:
+        pytest.fail(f"`kvstore {' '.join(path)} --json` stdout is not one JSON object ({exc}):\n"
+                    f"{r.stdout[:2000]}")
+    assert isinstance(doc, dict) and doc

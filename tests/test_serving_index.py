@@ -1,0 +1,211 @@
+"""The scheduler's serving index (kvstore.serving_index) and its lookup table (kvstore._keytable),
+over real LMDB stores in tmp_path: the table follows LMDB, pinned slots are never handed
+out, commits become hits only once durable, the pool is reclaimed after a crash."""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from kvstore._keytable import KeyTable
+from kvstore.engine import DiskStore, SlotRef
+from kvstore.layout import Layout
+from kvstore.serving_index import ServingIndex, SyncServingIndex
+
+BB = 4096
+LAYOUT = Layout(model="serving", dtype="float16", block_size=16, block_bytes=BB, num_layers=1,
+                num_kv_heads=1, head_dim=64, tp_size=1)
+
+
+def k(i: int) -> bytes:
+    return b"key-%06d" % i + b"\x00" * 26
+
+
+def make(tmp_path, slots: int) -> DiskStore:
+    return DiskStore.create(str(tmp_path / "store"), LAYOUT, slots * (BB + 4096))
+
+
+def store_keys(ix: ServingIndex, keys: list[bytes]) -> list[SlotRef]:
+    """Store keys as the scheduler does, a pool's worth per step (the refill in between)."""
+    out = []
+    for i in range(0, len(keys), ix.pool_target):
+        part = keys[i:i + ix.pool_target]
+        slots, gens = ix.take(part)
+        assert len(slots) == len(part)
+        items = list(zip(part, slots, gens))
+        ix.commit(items)
+        ix.flush()
+        out += [SlotRef(*x) for x in items]
+    return out
+
+
+def hits(ix: ServingIndex, keys: list[bytes]) -> list[SlotRef]:
+    slots, gens = ix.lookup_pin(keys)
+    return [SlotRef(*x) for x in zip(keys, slots, gens)]
+
+
+def test_keytable_matches_a_dict_under_random_operations():
+    rng = random.Random(5)
+    model: dict[bytes, tuple[int, int]] = {}
+    t = KeyTable(1000)
+    for step in range(100_000):
+        key = b"x%d" % rng.randrange(1500)
+        if rng.random() < 0.5 and (key in model or len(model) < 1000):
+            v = (rng.randrange(1 << 32), rng.randrange(1 << 64))
+            t.put(key, *v)
+            model[key] = v
+        else:
+            assert t.remove(key) == (key in model)
+            model.pop(key, None)
+        if step % 5000 == 0:
+            assert len(t) == len(model)
+    assert all(t.get(x) == v for x, v in model.items())
+    keys = list(model)
+    slots, gens = t.prefix(keys + [b"absent"] + keys)
+    assert slots == [model[x][0] for x in keys] and gens == [model[x][1] for x in keys]
+    with pytest.raises(OverflowError, match="full"):
+        full = KeyTable(2)
+        for i in range(3):
+            full.put(b"%d" % i, i, i)
+
+
+def test_commit_is_a_hit_only_once_applied_and_survives_reopen(tmp_path):
+    st = make(tmp_path, 64)
+    ix = ServingIndex(st, pool_target=8)
+    assert ix.wait_ready(10)
+    keys = [k(i) for i in range(5)]
+    slots, gens = ix.take(keys)
+    assert len(set(slots)) == 5
+    refs = [SlotRef(*x) for x in zip(keys, slots, gens)]
+    assert ix.lookup_pin(keys) == ([], [])    # reserved, not committed: no hit
+    ix.commit(list(zip(keys, slots, gens)), tag="job")
+    ix.flush()
+    evs = [e for e in ix.poll() if e.kind == "committed"]
+    assert evs and evs[0].tag == "job" and evs[0].failed == 0
+    assert evs[0].items == list(zip(keys, slots, gens))
+    hit = hits(ix, keys + [k(99)] + keys)
+    assert hit == refs and ix.pinned_slots == 5
+    ix.unpin(r.slot for r in hit)
+    assert st.index.fsyncs_by_thread          # the commit was fsynced, on the index thread
+    import threading
+    assert threading.get_ident() not in st.index.fsyncs_by_thread
+    ix.close()
+    assert st.stats()["reserved_slots"] == 0  # the pool was given back
+    st.close()
+    with DiskStore(str(tmp_path / "store")) as st2:
+        assert [st2.lookup(x).slot for x in keys] == [r.slot for r in refs]
+        assert st2.index.check_consistency() == []
+
+
+def test_pinned_slots_are_never_evicted_into_the_pool(tmp_path):
+    st = make(tmp_path, 16)
+    ix = ServingIndex(st, pool_target=4)
+    ix.wait_ready(10)
+    a = store_keys(ix, [k(i) for i in range(4)])
+    b = store_keys(ix, [k(i) for i in range(4, 8)])
+    c = store_keys(ix, [k(i) for i in range(8, 12)])       # full: 12 used + 4 in the pool
+    assert st.stats()["free_slots"] == 0
+    pinned = hits(ix, [r.key for r in a])                  # A is the LRU, but pinned
+    assert len(pinned) == 4
+    store_keys(ix, [k(i) for i in range(12, 16)])          # the refill must evict B, not A
+    ix.flush()
+    assert not {s for s, _ in ix._pool} & {r.slot for r in a}
+    assert all(ix.contains(r.key) for r in a + c)
+    assert not any(ix.contains(r.key) for r in b)
+    assert all(st.lookup(r.key) is None for r in b)        # LMDB agrees with the table
+    evicted = [x for e in ix.poll() if e.kind == "evicted" for x in e.keys]
+    assert sorted(evicted) == sorted(r.key for r in b)
+    ix.unpin(r.slot for r in pinned)
+    ix.close()
+    assert st.index.check_consistency() == []
+    st.close()
+
+
+def test_touch_moves_a_prefix_out_of_eviction_order(tmp_path):
+    st = make(tmp_path, 16)
+    ix = ServingIndex(st, pool_target=4)
+    ix.wait_ready(10)
+    a = store_keys(ix, [k(i) for i in range(6)])
+    b = store_keys(ix, [k(i) for i in range(6, 12)])
+    ix.touch([r.key for r in a])                            # A is now the most recent
+    store_keys(ix, [k(i) for i in range(12, 16)])
+    ix.flush()
+    assert all(ix.contains(r.key) for r in a)
+    assert not all(ix.contains(r.key) for r in b)
+    ix.close()
+    st.close()
+
+
+def test_drop_and_drop_all_leave_table_and_lmdb_in_step(tmp_path):
+    st = make(tmp_path, 32)
+    ix = ServingIndex(st, pool_target=4)
+    ix.wait_ready(10)
+    refs = store_keys(ix, [k(i) for i in range(8)])
+    ix.drop([refs[2].key])
+    assert not ix.contains(refs[2].key)                     # at once, for lookups
+    ix.flush()
+    assert st.lookup(refs[2].key) is None and st.lookup(refs[3].key) is not None
+    assert hits(ix, [r.key for r in refs]) == refs[:2]
+    ix.unpin(r.slot for r in refs[:2])
+    ix.drop_all()
+    ix.flush()
+    assert st.stats()["used_slots"] == 0 and not hits(ix, [refs[0].key])
+    ix.close()
+    assert st.index.check_consistency() == []
+    st.close()
+
+
+def test_table_is_rebuilt_at_open_and_lookups_read_lmdb_until_then(tmp_path):
+    st = make(tmp_path, 64)
+    st.close()
+    with DiskStore(str(tmp_path / "store"), io=True) as io_st:
+        io_st.put([k(i) for i in range(20)], lambda i, r: bytes([i]) * BB)
+    st = DiskStore(str(tmp_path / "store"))
+    ix = ServingIndex(st, pool_target=4)
+    first = hits(ix, [k(i) for i in range(20)])             # ready or not: the same answer
+    assert [r.key for r in first] == [k(i) for i in range(20)]
+    assert ix.wait_ready(10) and len(ix._table) == 20
+    assert hits(ix, [k(i) for i in range(20)]) == first
+    ix.unpin(r.slot for r in first + first)
+    assert ix.pinned_slots == 0
+    ix.close()
+    st.close()
+
+
+def test_pool_reservations_are_reclaimed_after_a_crash(tmp_path):
+    path = str(tmp_path / "store")
+    make(tmp_path, 64).close()
+    code = ("import os, sys; from kvstore.engine import DiskStore; "
+            "from kvstore.serving_index import ServingIndex; "
+            "st = DiskStore(sys.argv[1]); ix = ServingIndex(st, pool_target=16); ix.wait_ready(10); "
+            "ix.flush(); print(st.stats()['reserved_slots'], flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+                         check=True).stdout
+    assert int(out) == 16                                   # the pool was in LMDB ...
+    with DiskStore(path) as st:                             # ... and is reclaimed at open
+        assert st.stats()["reserved_slots"] == 0
+        assert st.index.check_consistency() == []
+
+
+def test_sync_baseline_has_the_same_interface(tmp_path):
+    st = make(tmp_path, 32)
+    ix = SyncServingIndex(st)
+    keys = [k(i) for i in range(4)]
+    slots, gens = ix.take(keys)
+    items = list(zip(keys, slots, gens))
+    ix.commit(items, tag=1)
+    evs = ix.poll()
+    assert [e.kind for e in evs] == ["committed"] and evs[0].error is None and evs[0].items == items
+    assert st.index.fsyncs_by_thread[threading.get_ident()] == 1   # the old design: here
+    assert ix.lookup_pin(keys) == (slots, gens)
+    st.close()
+
+
+def test_the_connector_never_imports_the_maintenance_module():
+    code = ("import sys; import kvstore.vllm.connector, kvstore.vllm.scheduler, "
+            "kvstore.vllm.worker, kvstore.serving_index; "
+            "assert 'kvstore.index_maint' not in sys.modules, 'index_maint imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
