@@ -39,7 +39,10 @@ ARGS = {
     ("info",): ["{src}"],
     ("fsck",): ["{src}"],
     ("warmup",): ["{dst}", "--from-store", "{src}", "--all"],
-    ("demo",): ["--sessions", "1"],
+    # The real engine (vLLM's CPU build from `make engine`, or CUDA vLLM with a GPU) with
+    # the tiny model: two server starts each.
+    ("demo",): ["--model", "tiny", "--documents", "1", "--doc-tokens", "64", "--sessions", "1"],
+    ("bench", "ttft"): ["--model", "tiny", "--lengths", "64", "--samples", "1", "--systems", "kvstore"],
 }
 MAY_FAIL = {("bench", "soak")}
 
