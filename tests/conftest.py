@@ -6,15 +6,7 @@ import uuid
 
 import pytest
 
-
-def open_fds() -> set[str]:
-    out = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.add(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
-        except OSError:
-            pass
-    return out
+from leak_util import open_fds
 
 
 @pytest.fixture

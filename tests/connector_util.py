@@ -23,7 +23,7 @@ BS = 16            # tokens per block
 SLOT = 8192        # bytes of one slot of the tiny model (4 KiB header + 4 KiB payload)
 
 
-from conftest import open_fds  # noqa: E402,F401  (one definition, shared with the fixtures)
+from leak_util import open_fds  # noqa: E402,F401  (one definition, shared with the fixtures)
 
 
 def prompts(seed: int, n: int, length: int, shared: int = 0) -> list[list[int]]:
