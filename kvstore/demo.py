@@ -124,7 +124,10 @@ def run(store: str | None = None, model: str = "demo", python: str | None = None
         cold = serve_and_replay("first run", wl, log_path=os.path.join(workdir, "server-1.log"), **kw)
         warm = serve_and_replay("after restart", wl, log_path=os.path.join(workdir, "server-2.log"), **kw)
     except BaseException:
-        say(f"kvstore demo: server logs kept in {workdir}")
+        if any(n.endswith(".log") for n in os.listdir(workdir)):
+            say(f"kvstore demo: server logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
         raise
     shutil.rmtree(workdir, ignore_errors=True)
     pairs = list(zip(cold["completions"], warm["completions"]))

@@ -24,6 +24,7 @@ import statistics
 import tempfile
 import time
 
+from kvstore.errors import ConfigError
 from kvstore.serving.client import Client
 from kvstore.serving.models import SPECS, default_dir, words
 from kvstore.serving.server import ServerStartError, VLLMServer, connector_config, engine_python
@@ -83,6 +84,10 @@ def run(lengths=(1000, 4000, 8000), samples: int = 3, model: str = "demo", pytho
     all_systems = {"kvstore": connector_config(os.path.join(workdir, "kvstore"), capacity="8G"),
                    **peers(workdir)}
     chosen = systems or list(all_systems)
+    unknown = [x for x in chosen if x not in all_systems]
+    if unknown:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise ConfigError(f"--systems: unknown {unknown}; choose from {list(all_systems)}")
     out = {"engine": engine, "model": f"{model} ({spec.approx_params() / 1e6:.0f}M parameters, bf16)",
            "lengths": list(lengths), "samples": samples, "gpu_cache_tokens": gpu_blocks * 32,
            "systems": {}, "not_started": {}}

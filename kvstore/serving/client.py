@@ -51,21 +51,13 @@ class Client:
             model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, logprobs=0,
             stream=True, stream_options={"include_usage": True},
             extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
-        out = Completion(ttft_s=0.0, total_s=0.0)
-        for chunk in stream:
-            if chunk.choices:
-                ch = chunk.choices[0]
-                lp = ch.logprobs
-                if lp is not None and lp.tokens:
-                    if not out.token_ids:
-                        out.ttft_s = time.perf_counter() - t0
-                    out.token_ids += [_token_id(t) for t in lp.tokens]
-                    out.logprobs += [float(x) for x in lp.token_logprobs]
-                out.text += ch.text or ""
-            if chunk.usage is not None:
-                self._usage(out, chunk.usage)
-        out.total_s = time.perf_counter() - t0
-        return out
+
+        def tokens(ch):
+            lp = ch.logprobs
+            if lp is None or not lp.tokens:
+                return [], [], ch.text or ""
+            return [_token_id(t) for t in lp.tokens], [float(x) for x in lp.token_logprobs], ch.text or ""
+        return self._collect(stream, t0, tokens)
 
     def chat(self, messages: list[dict], max_tokens: int = 8) -> Completion:
         """A greedy chat turn (the model's chat template renders the history)."""
@@ -74,17 +66,26 @@ class Client:
             model=self.model, messages=messages, max_tokens=max_tokens, temperature=0.0,
             logprobs=True, top_logprobs=0, stream=True, stream_options={"include_usage": True},
             extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+
+        def tokens(ch):
+            text = (ch.delta.content or "") if ch.delta else ""
+            lp = ch.logprobs
+            if lp is None or not lp.content:
+                return [], [], text
+            return [_token_id(c.token) for c in lp.content], [float(c.logprob) for c in lp.content], text
+        return self._collect(stream, t0, tokens)
+
+    def _collect(self, stream, t0: float, tokens) -> Completion:
+        """Read a stream: `tokens(choice)` gives (ids, logprobs, text) of one chunk."""
         out = Completion(ttft_s=0.0, total_s=0.0)
         for chunk in stream:
             if chunk.choices:
-                ch = chunk.choices[0]
-                lp = ch.logprobs
-                if lp is not None and lp.content:
-                    if not out.token_ids:
-                        out.ttft_s = time.perf_counter() - t0
-                    out.token_ids += [_token_id(c.token) for c in lp.content]
-                    out.logprobs += [float(c.logprob) for c in lp.content]
-                out.text += (ch.delta.content or "") if ch.delta else ""
+                ids, lps, text = tokens(chunk.choices[0])
+                if ids and not out.token_ids:
+                    out.ttft_s = time.perf_counter() - t0
+                out.token_ids += ids
+                out.logprobs += lps
+                out.text += text
             if chunk.usage is not None:
                 self._usage(out, chunk.usage)
         out.total_s = time.perf_counter() - t0
