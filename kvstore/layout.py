@@ -220,3 +220,9 @@ def check_layout(store_dir: str, stored: Layout, wanted: Layout) -> None:
             f"store {store_dir} was written with {name}={have!r} but this engine has "
             f"{name}={want!r}{more}; refusing to serve KV of another layout. Use another store "
             "path (or delete this store) for this model/configuration.", field=name)
+
+
+def block_key(block_hash: bytes, group_id: int = 0) -> bytes:
+    """Store key of a block: vLLM's BlockHashWithGroupId (hash + 4-byte big-endian group).
+    `kvstore._keytable.KeyTable.prefix_of` / `plan_new` build the same bytes in C."""
+    return bytes(block_hash) + group_id.to_bytes(4, "big")

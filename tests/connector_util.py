@@ -96,7 +96,8 @@ def keys_of(h, tokens, salt: str | None = None) -> list[bytes]:
     from vllm.v1.request import Request
     req = Request("probe", list(tokens), SamplingParams(max_tokens=1), None,
                   block_hasher=h._block_hasher, cache_salt=salt)
-    return sched(h)._request_keys(req, 0, len(req.block_hashes))
+    from kvstore.vllm.config import block_key
+    return [block_key(bh) for bh in req.block_hashes]
 
 
 def event_hash(key: bytes):
@@ -165,7 +166,7 @@ def assert_quiescent(h, store: str | None = None, before: set[str] | None = None
     assert not s._inflight_stores and not s._storing_keys
     assert not s._load_invalid and not s._load_failed and not s._requests
     # reserved slots are the index thread's pool, nothing else
-    assert s.store.stats()["reserved_slots"] == len(s.index._pool)
+    assert s.store.stats()["reserved_slots"] == len(s.index.pooled())
     for w in workers(h):
         assert w.pending() == 0 and not w._loads, f"rank {w.rank}: jobs in flight"
         assert w.slots.free == w.slots.total, f"rank {w.rank}: staging slots not returned"

@@ -185,7 +185,7 @@ def test_full_store_drops_stores_and_keeps_serving(tmp_path):
         h.add_request(c, max_tokens=3)          # takes the pool's 4 slots (not committed)
         h.step()
         sched(h).index.flush()
-        assert len(sched(h).index._pool) == 0   # nothing to refill from: pinned or reserved
+        assert len(sched(h).index.pooled()) == 0   # nothing to refill from: pinned or reserved
         rd = h.add_request(d, max_tokens=3)
         for _ in range(6):
             h.step()
@@ -243,7 +243,7 @@ def test_reset_cache_with_stores_and_loads_in_flight(tmp_path):
                      for sl in st.slots}
         assert len(new_slots) == 4 and not new_slots & a_slots
         s.index.flush()
-        assert not {sl for sl, _ in s.index._pool} & a_slots
+        assert not {sl for sl, _ in s.index.pooled()} & a_slots
         assert b_slots
         reads.open()
         syncs.open()
@@ -254,7 +254,7 @@ def test_reset_cache_with_stores_and_loads_in_flight(tmp_path):
         assert rc in h.finished and ra in h.finished and rd in h.finished
         # The store that was in flight during the reset was not committed.
         assert all(s.store.lookup(k) is None for k in keys_of(h, c))
-        assert s.store.stats()["reserved_slots"] == len(s.index._pool)
+        assert s.store.stats()["reserved_slots"] == len(s.index.pooled())
         removed = {x for e in h.events if type(e).__name__ == "BlockRemoved"
                    and e.medium == "STORAGE" for x in e.block_hashes}
         assert {event_hash(k) for k in keys_of(h, a) + keys_of(h, b)} <= removed

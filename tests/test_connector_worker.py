@@ -312,7 +312,7 @@ def test_write_error_aborts_only_the_failed_blocks(tmp_path):
         keys = keys_of(h, ps[0])
         assert sched(h).store.lookup(keys[1]) is None
         assert all(sched(h).store.lookup(k) is not None for k in keys[:1] + keys[2:])
-        assert sched(h).store.stats()["reserved_slots"] == len(sched(h).index._pool)
+        assert sched(h).store.stats()["reserved_slots"] == len(sched(h).index.pooled())
         set_injector(h, None)
         drop_gpu_cache(h)
         before = dict(h.stats)

@@ -155,4 +155,4 @@ def test_failed_index_commit_releases_its_reservations(tmp_path):
         assert h.stats["blocks_mismatched"] == 0
         assert all(st.lookup(k) is None for p in ps for k in keys_of(h, p))
         assert conn_stats(h).get("store_dropped_blocks", 0) == 8, conn_stats(h)
-        assert st.stats()["reserved_slots"] == len(sched(h).index._pool), st.stats()
+        assert st.stats()["reserved_slots"] == len(sched(h).index.pooled()), st.stats()

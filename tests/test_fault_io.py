@@ -100,7 +100,7 @@ def test_short_write_count_is_never_committed(tmp_path):
         s = conn_stats(h)
         assert s.get("stored_blocks", 0) == 0 and s["store_dropped_blocks"] == 8, s
         assert all(sched(h).store.lookup(k) is None for p in ps for k in keys_of(h, p))
-        assert sched(h).store.stats()["reserved_slots"] == len(sched(h).index._pool)
+        assert sched(h).store.stats()["reserved_slots"] == len(sched(h).index.pooled())
         before = dict(h.stats)
         st = h.run(ps, max_tokens=1)              # nothing to load: computed, and stored
         assert st["blocks_loaded"] == before["blocks_loaded"]
@@ -136,10 +136,10 @@ def test_fdatasync_error_drops_the_batch_and_slots_get_new_generations(tmp_path)
         st = sched(h).store
         keys = [k for p in ps for k in keys_of(h, p)]
         assert all(st.lookup(k) is None for k in keys)
-        assert st.stats()["reserved_slots"] == len(sched(h).index._pool)
+        assert st.stats()["reserved_slots"] == len(sched(h).index.pooled())
         assert st.stats()["used_slots"] == 0
         gen_failed = st.stats()["generation"]      # the failed reservations' generations
-        pooled = set(sched(h).index._pool)         # reserved before, never written
+        pooled = set(sched(h).index.pooled())         # reserved before, never written
         set_injector(h, None)
         drop_gpu_cache(h)
         before = dict(h.stats)

@@ -112,7 +112,7 @@ def test_pinned_slots_are_never_evicted_into_the_pool(tmp_path):
     assert len(pinned) == 4
     store_keys(ix, [k(i) for i in range(12, 16)])          # the refill must evict B, not A
     ix.flush()
-    assert not {s for s, _ in ix._pool} & {r.slot for r in a}
+    assert not {s for s, _ in ix.pooled()} & {r.slot for r in a}
     assert all(ix.contains(r.key) for r in a + c)
     assert not any(ix.contains(r.key) for r in b)
     assert all(st.lookup(r.key) is None for r in b)        # LMDB agrees with the table

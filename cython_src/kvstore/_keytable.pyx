@@ -8,8 +8,8 @@
 # header, which names the real key, so a wrong hit is recomputed, never served.
 # A prefix walk costs one hash and (mostly) one cache miss per key; a miss stops it.
 from libc.stdint cimport uint32_t, uint64_t
-from libc.string cimport memset
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_Check
+from libc.string cimport memset, memcpy
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_Check, PyBytes_FromStringAndSize
 
 cdef extern from "xxhash.h" nogil:
     ctypedef struct XXH128_hash_t:
@@ -34,6 +34,7 @@ cdef extern from *:
     void KT_PREFETCH(const void *p) nogil
 
 DEF BATCH = 32
+DEF KEY_MAX = 68     # a vLLM block hash (32 bytes for sha256; up to 64) + 4-byte group id
 
 
 cdef struct Bucket:
@@ -44,9 +45,7 @@ cdef struct Bucket:
 
 
 cdef inline void _fingerprint(bytes key, uint64_t *fp, uint32_t *fp2):
-    cdef XXH128_hash_t h = XXH3_128bits(PyBytes_AS_STRING(key), <size_t>PyBytes_GET_SIZE(key))
-    fp[0] = h.low64 if h.low64 != 0 else 1
-    fp2[0] = <uint32_t>(h.high64 >> 32)
+    _fingerprint_raw(<const unsigned char *>PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), fp, fp2)
 
 
 cdef class KeyTable:
@@ -239,3 +238,181 @@ cdef class KeyTable:
                 with nogil:
                     usleep(yield_us)
         return count
+
+    # -- the scheduler's per-step walks over vLLM block hashes, in C -------------------
+    # vLLM hands the scheduler a request's block hashes as a list of bytes; a store key is
+    # hash + 4-byte big-endian KV cache group id (`kvstore.vllm.config.block_key`). These
+    # walks build each key in a stack buffer, so a block that is skipped (a miss ends a
+    # lookup; a block already stored is not planned again) costs no Python object at all.
+
+    def prefix_of(self, list hashes, Py_ssize_t start, Py_ssize_t stop, uint32_t group=0):
+        """(keys, slots, generations) of the longest prefix of blocks start..stop of
+        `hashes` (vLLM block hashes) whose keys (hash + group) are in the table. Only the
+        hit keys are made as bytes."""
+        cdef list keys = [], slots = [], gens = []
+        cdef uint64_t fps[BATCH]
+        cdef uint32_t fp2s[BATCH]
+        cdef unsigned char buf[BATCH][KEY_MAX]
+        cdef Py_ssize_t lens[BATCH]
+        cdef Py_ssize_t b, e, j, i
+        if start < 0:
+            start = 0
+        if stop > len(hashes):
+            stop = len(hashes)
+        b = start
+        while b < stop:
+            e = min(stop, b + BATCH)
+            for j in range(b, e):
+                lens[j - b] = _make_key(hashes[j], group, buf[j - b])
+                _fingerprint_raw(buf[j - b], lens[j - b], &fps[j - b], &fp2s[j - b])
+                KT_PREFETCH(&self.t[fps[j - b] & self.mask])
+            for j in range(e - b):
+                i = self._find(fps[j], fp2s[j])
+                if i < 0:
+                    return keys, slots, gens
+                keys.append(PyBytes_FromStringAndSize(<char *>buf[j], lens[j]))
+                slots.append(self.t[i].slot)
+                gens.append(self.t[i].gen)
+            b = e
+        return keys, slots, gens
+
+    def plan_new(self, list hashes, Py_ssize_t start, Py_ssize_t stop, list block_ids,
+                 set skip, Py_ssize_t limit, uint32_t group=0):
+        """Blocks start..stop of `hashes` to store: (keys, block ids, block indices) of
+        those whose key is neither in the table (already stored) nor in `skip` (being
+        stored); at most `limit` of them. Their keys are added to `skip` (the caller
+        removes the ones it does not keep)."""
+        cdef list keys = [], bids = [], idx = []
+        cdef uint64_t fps[BATCH]
+        cdef uint32_t fp2s[BATCH]
+        cdef unsigned char buf[BATCH][KEY_MAX]
+        cdef Py_ssize_t lens[BATCH]
+        cdef Py_ssize_t b, e, j
+        cdef object key
+        if start < 0:
+            start = 0
+        if stop > len(hashes):
+            stop = len(hashes)
+        if stop > len(block_ids):
+            stop = len(block_ids)
+        b = start
+        while b < stop and len(keys) < limit:
+            e = min(stop, b + BATCH)
+            for j in range(b, e):       # hash the batch, prefetch its buckets, then probe
+                lens[j - b] = _make_key(hashes[j], group, buf[j - b])
+                _fingerprint_raw(buf[j - b], lens[j - b], &fps[j - b], &fp2s[j - b])
+                KT_PREFETCH(&self.t[fps[j - b] & self.mask])
+            for j in range(e - b):
+                if len(keys) >= limit:
+                    break
+                if self._find(fps[j], fp2s[j]) >= 0:
+                    continue
+                key = PyBytes_FromStringAndSize(<char *>buf[j], lens[j])
+                if key in skip:
+                    continue
+                skip.add(key)
+                keys.append(key)
+                bids.append(block_ids[b + j])
+                idx.append(b + j)
+            b = e
+        return keys, bids, idx
+
+    def claim(self, list cands, dict pins, bint ready=True):
+        """The index thread's eviction claim, in one C call (the step thread never waits
+        on it): of (key or None, slot) candidates, take every slot not in `pins`; a taken
+        slot's key leaves the table when it maps to that slot (when `ready`). Returns
+        (taken slots as a set, removed (key, slot, generation) list)."""
+        cdef set taken = set()
+        cdef list removed = []
+        cdef object key, slot
+        cdef uint64_t fp
+        cdef uint32_t fp2
+        cdef Py_ssize_t i
+        for key, slot in cands:
+            if slot in pins:
+                continue
+            if key is not None and ready:
+                _fingerprint(<bytes?>key, &fp, &fp2)
+                i = self._find(fp, fp2)
+                if i >= 0 and self.t[i].slot == <uint32_t>slot:
+                    removed.append((key, slot, self.t[i].gen))
+                    self._delete_at(<uint64_t>i)
+            taken.add(slot)
+        return taken, removed
+
+    def remove_many(self, list keys, list slots=None):
+        """remove() for each key (only while it maps to slots[j], when given). Returns
+        the count removed."""
+        cdef Py_ssize_t j, n = len(keys), done = 0
+        cdef uint64_t fp
+        cdef uint32_t fp2
+        cdef Py_ssize_t i
+        if slots is not None and len(slots) != n:
+            raise ValueError("remove_many: keys and slots differ in length")
+        for j in range(n):
+            _fingerprint(<bytes?>keys[j], &fp, &fp2)
+            i = self._find(fp, fp2)
+            if i < 0 or (slots is not None and self.t[i].slot != <uint32_t>slots[j]):
+                continue
+            self._delete_at(<uint64_t>i)
+            done += 1
+        return done
+
+    def put_many(self, list keys, list slots, list gens):
+        """put() for each (key, slot, generation); a key already present keeps its entry.
+        Returns the count inserted."""
+        cdef Py_ssize_t j, n = len(keys), added = 0
+        cdef uint64_t fp
+        cdef uint32_t fp2
+        if len(slots) != n or len(gens) != n:
+            raise ValueError("put_many: keys, slots and gens differ in length")
+        for j in range(n):
+            _fingerprint(<bytes?>keys[j], &fp, &fp2)
+            if self._find(fp, fp2) >= 0:
+                continue
+            self._put(fp, fp2, <uint32_t>slots[j], <uint64_t>gens[j])
+            added += 1
+        return added
+
+
+cdef inline Py_ssize_t _make_key(object h, uint32_t group, unsigned char *buf) except -1:
+    if not PyBytes_Check(h):
+        raise TypeError(f"block hashes are bytes, got {type(h).__name__}")
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(h)
+    if n > KEY_MAX - 4:
+        raise ValueError(f"block hash of {n} bytes: at most {KEY_MAX - 4} supported")
+    memcpy(buf, PyBytes_AS_STRING(h), n)
+    buf[n] = (group >> 24) & 0xFF
+    buf[n + 1] = (group >> 16) & 0xFF
+    buf[n + 2] = (group >> 8) & 0xFF
+    buf[n + 3] = group & 0xFF
+    return n + 4
+
+
+cdef inline void _fingerprint_raw(const unsigned char *p, Py_ssize_t n, uint64_t *fp, uint32_t *fp2) noexcept nogil:
+    cdef XXH128_hash_t h = XXH3_128bits(p, <size_t>n)
+    fp[0] = h.low64 if h.low64 != 0 else 1
+    fp2[0] = <uint32_t>(h.high64 >> 32)
+
+
+def pin_counts_add(dict pins, list slots):
+    """pins[slot] += 1 for each slot (a plain dict slot -> count)."""
+    cdef object s
+    cdef object c
+    for s in slots:
+        c = pins.get(s)
+        pins[s] = 1 if c is None else c + 1
+
+
+def pin_counts_remove(dict pins, list slots):
+    """pins[slot] -= 1 for each slot; a slot whose count reaches 0 leaves the dict."""
+    cdef object s
+    cdef object c
+    for s in slots:
+        c = pins.get(s)
+        if c is None:
+            continue
+        if c <= 1:
+            del pins[s]
+        else:
+            pins[s] = c - 1

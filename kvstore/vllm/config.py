@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
-from kvstore.layout import Layout, parse_size
+from kvstore.layout import Layout, block_key, parse_size  # noqa: F401 (block_key: re-exported)
 
 DETERMINISTIC_HASHES = ("sha256", "sha256_cbor")
 
@@ -140,8 +140,3 @@ def cache_dtype_name(cache_dtype: str | None, torch_dtype) -> str:
     if name == "fp8":
         return "fp8_e4m3"
     return name
-
-
-def block_key(block_hash: bytes, group_id: int = 0) -> bytes:
-    """Store key of a block: vLLM's BlockHashWithGroupId (hash + 4-byte big-endian group)."""
-    return bytes(block_hash) + group_id.to_bytes(4, "big")

@@ -107,11 +107,6 @@ class KVStoreScheduler:
         self._next_job += 1
         return j
 
-    def _request_keys(self, request, start_blk: int, end_blk: int) -> list[bytes]:
-        hashes = request.block_hashes
-        end_blk = min(end_blk, len(hashes))
-        return [block_key(hashes[i]) for i in range(start_blk, end_blk)]
-
     def _release_candidate(self, req_id: str) -> None:
         cand = self._candidates.pop(req_id, None)
         if cand is not None:
@@ -146,8 +141,8 @@ class KVStoreScheduler:
         if end <= start:
             return 0, False
         try:
-            keys = self._request_keys(request, start, end)
-            slots, gens = self.index.lookup_pin(keys)   # pinned: eviction skips them
+            # In C over the in-memory table; pinned: eviction skips them.
+            keys, slots, gens = self.index.lookup_hashes(request.block_hashes, start, end)
         except KVStoreError as exc:
             self._warn_once("lookup", exc)
             return 0, False
@@ -156,10 +151,10 @@ class KVStoreScheduler:
             self._stats.add(miss_lookups=1)
             self.index.count_hits(0, 1)
             return 0, False
-        self._candidates[req_id] = (start, keys[:n], slots, gens)
+        self._candidates[req_id] = (start, keys, slots, gens)
         self._stats.add(hit_blocks=n)
         # As DiskStore.get counts: hits in blocks, a miss per lookup that stopped short.
-        self.index.count_hits(n, 0 if n == len(keys) else 1)
+        self.index.count_hits(n, 0 if n == min(end, len(request.block_hashes)) - start else 1)
         return n * bs, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -179,18 +174,24 @@ class KVStoreScheduler:
             self.index.unpin(slots)
             self._warn_once("load planning", KVStoreError(f"expected {n} blocks, got {len(block_ids)}"))
             return
+        # The loaded blocks are on disk already: eager stores start after them.
+        self._stored_upto[req_id] = max(self._stored_upto.get(req_id, 0), start + n)
         job = LoadJob(self._job_id(), req_id, block_ids, keys, slots, gens)
         self._pending_loads.append(job)
         self._inflight_loads[req_id] = (job, slots)
         self._stats.add(hit_tokens=n * self.block_size)
 
     # -- stores ----------------------------------------------------------------------
-    def _plan_eager(self, scheduler_output) -> list[tuple[bytes, int, int | None]]:
-        """(key, gpu block id, token offset) of blocks this step's forward completes."""
+    def _plan_eager(self, scheduler_output, limit: int) -> tuple[list, list, list]:
+        """(keys, GPU block ids, origins) of the blocks this step's forward completes that
+        are neither stored nor being stored, `limit` at most; their keys join
+        `_storing_keys`. The per-block walk is C (`ServingIndex.plan_new`)."""
+        keys: list[bytes] = []
+        bids: list[int] = []
+        origins: list = []
         if self._kv_cache_manager is None:
-            return []
+            return keys, bids, origins
         bs = self.block_size
-        out = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self._requests.get(req_id)
             if req is None or n <= 0:
@@ -202,12 +203,21 @@ class KVStoreScheduler:
                 first = req.num_computed_tokens // bs
             if nfull <= first:
                 continue
+            room = limit - len(keys)
+            if room <= 0:
+                break
             block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
-            for i in range(first, min(nfull, len(block_ids))):
-                out.append((block_key(req.block_hashes[i]), block_ids[i],
-                            self._origin(req, i) if self.events_enabled else None))
-            self._stored_upto[req_id] = nfull
-        return out
+            k, b, idx = self.index.plan_new(req.block_hashes, first, nfull, block_ids,
+                                            self._storing_keys, room)
+            keys += k
+            bids += b
+            if self.events_enabled:
+                origins += [self._origin(req, i) for i in idx]
+            # A walk the limit cut short resumes after its last block in a later step.
+            self._stored_upto[req_id] = idx[-1] + 1 if len(k) == room else nfull
+        if not self.events_enabled:
+            origins = [None] * len(keys)
+        return keys, bids, origins
 
     def _origin(self, req, i: int) -> tuple[list[int], Any]:
         """(token ids, parent hash) of block i of req, for its BlockStored event. Taken
@@ -217,57 +227,57 @@ class KVStoreScheduler:
         parent = maybe_convert_block_hash(req.block_hashes[i - 1]) if i > 0 else None
         return list(req.all_token_ids[i * bs:(i + 1) * bs]), parent
 
-    def _plan_lazy(self) -> list[tuple[bytes, int, None]]:
-        """Cached GPU blocks nearest to eviction (head of vLLM's free queue)."""
+    def _plan_lazy(self, limit: int) -> tuple[list, list, list]:
+        """Cached GPU blocks nearest to eviction (head of vLLM's free queue), not stored
+        or being stored: (keys, GPU block ids, origins)."""
+        keys: list[bytes] = []
+        bids: list[int] = []
         pool = self._block_pool
         if pool is None:
-            return []
-        out = []
+            return keys, bids, []
+        storing, contains = self._storing_keys, self.index.contains
         for seen, node in enumerate(pool.free_block_queue.iter_blocks_after(None)):
-            if seen >= self._lazy_target:
+            if seen >= self._lazy_target or len(keys) >= limit:
                 break
-            if node.block_hash is not None and not getattr(node, "is_null", False):
-                out.append((bytes(node.block_hash), node.block_id, None))
-        return out
+            if node.block_hash is None or getattr(node, "is_null", False):
+                continue
+            key = bytes(node.block_hash)
+            if key in storing or contains(key):
+                continue
+            storing.add(key)
+            keys.append(key)
+            bids.append(node.block_id)
+        return keys, bids, [None] * len(keys)
 
     def _plan_stores(self, scheduler_output) -> list[StoreJob]:
-        cands = self._plan_eager(scheduler_output) if self.cfg.store_policy == "eager" \
-            else self._plan_lazy()
-        if not cands:
-            return []
-        seen = set()
-        picked = []
-        for key, bid, origin in cands:
-            if key in seen or key in self._storing_keys:
-                continue
-            seen.add(key)
-            picked.append((key, bid, origin))
-        if not picked:
-            return []
+        limit = self.cfg.max_store_blocks_per_step
+        keys: list[bytes] = []
         try:
-            contains = self.index.contains
-            picked = [p for p in picked if not contains(p[0])][: self.cfg.max_store_blocks_per_step]
-            if not picked:
+            if self.cfg.store_policy == "eager":
+                keys, bids, origins = self._plan_eager(scheduler_output, limit)
+            else:
+                keys, bids, origins = self._plan_lazy(limit)
+            if not keys:
                 return []
             # Slots from the index thread's pool (already reserved, victims already
             # evicted): a prefix of the blocks when the pool runs short.
-            keys = [k for k, _, _ in picked]
             slots, gens = self.index.take(keys)
         except KVStoreError as exc:
             self._warn_once("store planning", exc)
-            self._stats.add(store_dropped_blocks=len(picked))
+            self._stats.add(store_dropped_blocks=len(keys))
+            self._storing_keys.difference_update(keys)
             return []
         n = len(slots)
-        if n < len(picked):
-            self._stats.add(store_dropped_blocks=len(picked) - n)
+        if n < len(keys):
+            self._stats.add(store_dropped_blocks=len(keys) - n)
+            self._storing_keys.difference_update(keys[n:])
+            keys, bids, origins = keys[:n], bids[:n], origins[:n]
         if not n:
             return []
-        picked, keys = picked[:n], keys[:n]
-        job = StoreJob(self._job_id(), [bid for _, bid, _ in picked], keys, slots, gens)
+        job = StoreJob(self._job_id(), bids, keys, slots, gens)
         self._inflight_stores[job.job_id] = InflightStore(
-            keys=keys, slots=slots, generations=gens,
-            origins=[origin for _, _, origin in picked], started=time.monotonic())
-        self._storing_keys.update(job.keys)
+            keys=keys, slots=slots, generations=gens, origins=origins,
+            started=time.monotonic())
         return [job]
 
     def build_connector_meta(self, scheduler_output) -> KVStoreMetadata:
@@ -322,16 +332,11 @@ class KVStoreScheduler:
         """Every rank reported: the good blocks are durable. Their commit (and its fsync)
         is the index thread's; the keys stay in `_storing_keys` until it is applied."""
         del self._inflight_stores[job_id]
-        items = list(zip(st.keys, st.slots, st.generations))
-        if st.reset:
-            good, bad = [], items
-        elif st.failed:
-            good = [x for i, x in enumerate(items) if i not in st.failed]
-            bad = [x for i, x in enumerate(items) if i in st.failed]
-        else:
-            good, bad = items, []
         self._committing += 1
-        self.index.commit(good, bad, tag=st)
+        if st.reset:
+            self.index.commit([], list(zip(st.keys, st.slots, st.generations)), tag=st)
+        else:
+            self.index.commit_blocks(st.keys, st.slots, st.generations, st.failed, tag=st)
 
     def _index_events(self) -> None:
         """Outcomes of the index thread: commits applied, entries evicted or dropped."""
