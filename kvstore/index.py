@@ -499,6 +499,11 @@ class Index:
             for k, v in rows:
                 yield _entry(k, *_VAL.unpack(v))
 
+    def iter_key_batches(self) -> Iterator[list[bytes]]:
+        """Every committed key, in key order, in batches (one read transaction each)."""
+        for rows in self._chunks(self._keys):
+            yield [k for k, _ in rows]
+
     @_guard
     def iter_lru(self, hottest_first: bool = False) -> Iterator[Entry]:
         """Committed entries in eviction order (coldest first unless hottest_first)."""

@@ -65,8 +65,13 @@ class ServingIndex:
     """See the module docstring. Methods without a leading underscore are for the step
     thread; `_run` and the helpers it calls run on the index thread."""
 
-    def __init__(self, store: DiskStore, *, pool_target: int = 1024):
+    def __init__(self, store: DiskStore, *, pool_target: int = 1024, announce=None):
         self.store = store
+        # After a restart, every entry on disk is announced (KV events a router learns
+        # from): `announce(keys)` makes a batch's events on the index thread, and the
+        # step thread publishes one ready batch per step (`take_announced`).
+        self._announce = announce
+        self._announced: deque = deque()
         self.index = store._writable()
         self.capacity = self.index.capacity_slots
         # The pool may hold at most half of a (tiny) store: its slots hold no data.
@@ -243,6 +248,20 @@ class ServingIndex:
     def count_hits(self, hits: int, misses: int) -> None:
         self._ops.put(("count", hits, misses))
 
+    def take_announced(self) -> list:
+        """The next ready batch of announcement events (empty when none is ready)."""
+        try:
+            out = self._announced.popleft()
+        except IndexError:
+            return []
+        self._ops.put(("announce",))      # room for the next batch
+        return out
+
+    @property
+    def announcing(self) -> bool:
+        """True until every entry found at open has been announced."""
+        return self._announce is not None
+
     def poll(self) -> list[IndexEvent]:
         """Outcomes of the index thread since the last poll."""
         out = []
@@ -308,9 +327,21 @@ class ServingIndex:
         else:
             self.build_s = time.perf_counter() - t0
             self._ready = True
+        announcing = None
+        if self._announce is not None and self._ready:
+            announcing = self.index.iter_key_batches()
+        else:
+            self._announce = None
         stop = False
         while not stop:
-            ops = [self._ops.get()]
+            if announcing is not None and len(self._announced) < 2:
+                try:
+                    ops = [self._ops.get_nowait()]
+                except queue.Empty:
+                    announcing = self._announce_next(announcing)
+                    continue
+            else:
+                ops = [self._ops.get()]
             while True:     # everything queued by now is handled in this round
                 try:
                     ops.append(self._ops.get_nowait())
@@ -348,6 +379,8 @@ class ServingIndex:
                     elif kind == "count":
                         hits += op[1]
                         misses += op[2]
+                    elif kind == "announce":
+                        pass        # a batch was taken: the loop makes the next one
                     elif kind == "mark":
                         marks.append(op[1])
                     elif kind == "stop":
@@ -368,6 +401,22 @@ class ServingIndex:
                 self._fail("index upkeep", exc)
             for m in marks:
                 m.set()
+
+    def _announce_next(self, batches):
+        """Make the next batch of announcements; None (and `announcing` false) when
+        every entry found at open is announced or announcing failed."""
+        try:
+            keys = next(batches, None)
+            if keys is None:
+                self._announce = None
+                return None
+            self._announced.append(self._announce(keys))
+            self._posted.set()
+            return batches
+        except Exception as exc:
+            self._announce = None
+            self._fail("announcing the stored blocks", exc)
+            return None
 
     @staticmethod
     def _yield() -> None:
@@ -486,6 +535,8 @@ class SyncServingIndex(ServingIndex):
         self._lock = threading.Lock()
         self._pool_lock = threading.Lock()
         self._pool_slots, self._pool_gens = [], []
+        self._announce = None
+        self._announced = deque()
         self._table = self._NoTable()
         self._pins: dict[int, int] = {}
         self._ready = True
@@ -500,6 +551,9 @@ class SyncServingIndex(ServingIndex):
 
     def wait_events(self, timeout: float) -> None:
         pass
+
+    def take_announced(self) -> list:
+        return []
 
     def lookup_pin(self, keys):
         entries = self.index.longest_prefix(keys)

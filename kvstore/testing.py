@@ -182,7 +182,8 @@ class EngineHarness:
             connector (plain prefix caching).
         num_gpu_blocks: size of the "GPU" KV cache (small, so it overflows).
         layout: KV cache layout name (``LBNHC``, ``LBHNC``, ``BLNHC``, ...).
-        kv_events: enable KV cache events with the "null" publisher.
+        kv_events: enable KV cache events with the "null" publisher (True), or with the
+            KVEventsConfig fields given (a dict, e.g. vLLM's ZMQ publisher).
         async_scheduling: build an AsyncScheduler and lag update_from_output by
             one step, like vLLM's async engine loop.
     """
@@ -204,7 +205,7 @@ class EngineHarness:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         kv_transfer_config: dict | None = None,
-        kv_events: bool = False,
+        kv_events: bool | dict = False,
         tp_size: int = 1,
         layout: str = "LBNHC",
         async_scheduling: bool = False,
@@ -279,7 +280,9 @@ class EngineHarness:
             ktc_args.setdefault("kv_role", "kv_both")
             ktc = KVTransferConfig(**ktc_args)
         kec = None
-        if kv_events:
+        if isinstance(kv_events, dict):     # e.g. {"publisher": "zmq", "endpoint": ...}
+            kec = KVEventsConfig(enable_kv_cache_events=True, **kv_events)
+        elif kv_events:
             kec = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         vc_kwargs: dict[str, Any] = dict(
             model_config=model_config,
@@ -872,6 +875,11 @@ class EngineHarness:
                 rk.connector.shutdown()
         try:
             self.scheduler.shutdown()
+            # vLLM's ZMQ publisher closes its sockets but leaves its context (and the
+            # context's fds) to the process; a harness is a whole engine: it ends it.
+            ctx = getattr(self.scheduler.kv_event_publisher, "_ctx", None)
+            if ctx is not None and not ctx.closed:
+                ctx.term()
         finally:
             if self._tmp is not None:
                 self._tmp.cleanup()

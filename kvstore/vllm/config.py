@@ -90,19 +90,20 @@ class ConnectorConfig:
 
 
 def layout_from_vllm(vllm_config, kv_cache_config) -> Layout:
-    """The store layout of this engine: what makes its KV bytes interchangeable."""
+    """The store layout of this engine: what makes its KV bytes interchangeable.
+
+    Refuses (ConfigError, saying what to run instead) the engines whose blocks kvstore
+    cannot map to vLLM's block hashes: context or pipeline parallelism, several KV cache
+    groups, a cache that is not full attention.
+    """
+    check_parallel_layout(vllm_config.parallel_config)
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(
-            f"kvstore supports models with one KV cache group (full attention); this model has "
-            f"{len(groups)} groups (hybrid/sliding-window). Remove the kvstore connector for it.")
+    check_kv_cache_groups(groups)
     spec = groups[0].kv_cache_spec
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     if not isinstance(spec, FullAttentionSpec):
         raise ConfigError(f"kvstore supports full-attention KV caches, not {type(spec).__name__}")
     pc = vllm_config.parallel_config
-    if getattr(pc, "pipeline_parallel_size", 1) != 1:
-        raise ConfigError("kvstore does not support pipeline parallelism yet (pipeline_parallel_size > 1)")
     cc = vllm_config.cache_config
     hash_algo = getattr(cc, "prefix_caching_hash_algo", "sha256")
     if hash_algo not in DETERMINISTIC_HASHES and not os.environ.get("PYTHONHASHSEED"):
@@ -127,6 +128,83 @@ def layout_from_vllm(vllm_config, kv_cache_config) -> Layout:
         hash_algo=str(hash_algo),
         kv_layout=f"pages:{page_format}",
     )
+
+
+# (setting, its flags) of vLLM's context parallelism: `ParallelConfig` fields.
+_CONTEXT_PARALLEL = (
+    ("decode_context_parallel_size", "--decode-context-parallel-size/-dcp"),
+    ("prefill_context_parallel_size", "--prefill-context-parallel-size/-pcp"),
+)
+
+
+def check_parallel_layout(parallel_config) -> None:
+    """Refuse the parallel layouts kvstore does not support, naming the setting.
+
+    Under decode context parallelism a rank's block holds every dcp-th token (in
+    `cp_kv_cache_interleave_size` runs) of a block of block_size * dcp tokens, and vLLM
+    hashes blocks at that size; prefill context parallelism splits a prompt's
+    computation across ranks. kvstore keys a rank's block_size-token page by the block
+    hash, so either could map a hash to the wrong KV: refused, like pipeline
+    parallelism, rather than served.
+    """
+    cp = [(name, int(getattr(parallel_config, name, 1) or 1), flag)
+          for name, flag in _CONTEXT_PARALLEL]
+    cp = [(name, size, flag) for name, size, flag in cp if size > 1]
+    if cp:
+        settings = ", ".join(f"{name}={size}" for name, size, _ in cp)
+        flags = " and ".join(flag for _, _, flag in cp)
+        raise ConfigError(
+            f"kvstore does not support context parallelism yet ({settings}). Run without "
+            f"{flags}, or remove the kvstore connector.")
+    pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
+    if pp != 1:
+        raise ConfigError(
+            f"kvstore does not support pipeline parallelism yet (pipeline_parallel_size={pp}). "
+            "Run without --pipeline-parallel-size/-pp (tensor parallelism is supported), or "
+            "remove the kvstore connector.")
+
+
+def check_kv_cache_groups(groups) -> None:
+    """Refuse a KV cache of several groups (vLLM's hybrid KV cache manager), naming the
+    groups' spec types and, where one exists, the vLLM setting that makes it one group.
+
+    With --disable-hybrid-kv-cache-manager, vLLM 0.33 turns sliding-window and chunked
+    local attention layers into full-attention specs (`_promote_local_kv_cache_specs`,
+    kv_cache_planning.py); when every layer then has the same KV shape they form one
+    FullAttentionSpec group, which kvstore serves. Mamba state has no such fallback.
+    """
+    if len(groups) == 1:
+        return
+    if not groups:
+        raise ConfigError("kvstore has nothing to store for a model without a KV cache "
+                          "(attention-free): remove the kvstore connector for this model.")
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec,
+    )
+    specs = [g.kv_cache_spec for g in groups]
+    names = [type(s).__name__ for s in specs]
+    counts = ", ".join(f"{names.count(n)} {n}" for n in dict.fromkeys(names))
+    head = (f"kvstore supports models with one KV cache group, and this model has "
+            f"{len(groups)} ({counts})")
+    if any(isinstance(s, MambaSpec) for s in specs):
+        raise ConfigError(
+            f"{head}. Mamba/hybrid-SSM state is not supported by kvstore yet: remove the "
+            "kvstore connector for this model.")
+    kinds = {type(s) for s in specs}
+    local = kinds & {SlidingWindowSpec, ChunkedLocalAttentionSpec}
+    # Promoted layers form one FullAttentionSpec group only if their pages are alike.
+    shapes = {tuple(getattr(s, f, None) for f in
+                    ("num_kv_heads", "head_size", "head_size_v", "dtype", "kv_quant_mode"))
+              for s in specs}
+    if (FullAttentionSpec in kinds and len(local) == 1
+            and kinds <= {FullAttentionSpec} | local and len(shapes) == 1):
+        kind = "sliding-window" if SlidingWindowSpec in local else "chunked local attention"
+        raise ConfigError(
+            f"{head}. Start vLLM with --disable-hybrid-kv-cache-manager: it then serves the "
+            f"{kind} layers as full attention in one group, which kvstore supports (or "
+            "remove the kvstore connector).")
+    raise ConfigError(f"{head}. kvstore does not support these groups yet: remove the "
+                      "kvstore connector for this model.")
 
 
 def cache_dtype_name(cache_dtype: str | None, torch_dtype) -> str:

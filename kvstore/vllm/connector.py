@@ -45,6 +45,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             events = bool(kv_events and kv_events.enable_kv_cache_events)
             self.scheduler = KVStoreScheduler(self.cfg, self.layout, vllm_config, events)
             log.info("kvstore: serving store %s (%s)", self.cfg.path, self.scheduler.store.stats())
+            _warn_load_failure_policy(self._kv_transfer_config)
         self._rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
         if role == KVConnectorRole.WORKER and kv_cache_config is not None:
             # Refuse a KV cache kvstore cannot copy now, with what to change, rather than
@@ -157,6 +158,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _warn_load_failure_policy(kv_transfer_config) -> None:
+    """Warn, once per engine (the scheduler role), when vLLM's kv_load_failure_policy is
+    "fail" (its default): a block kvstore refuses to load then fails the request."""
+    policy = getattr(kv_transfer_config, "kv_load_failure_policy", "fail")
+    if policy == "fail":
+        log.warning(
+            'kvstore: kv_load_failure_policy is "fail" (vLLM\'s default): a block that fails '
+            "kvstore's verification (checksum mismatch, I/O error, load timeout) fails the "
+            "user's request instead of being recomputed. Set "
+            '"kv_load_failure_policy": "recompute" in --kv-transfer-config.')
 
 
 def _request_amx_permission() -> None:

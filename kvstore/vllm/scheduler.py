@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.core.kv_cache_utils import (
+    generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys)
 
 from kvstore.engine import DiskStore, ensure_store
 from kvstore.errors import KVStoreError
@@ -65,7 +66,9 @@ class KVStoreScheduler:
         pool = cfg.slot_pool or min(max(16, 4 * per_step), max(1, cap // 8))
         try:
             if cfg.index_thread:
-                self.index = ServingIndex(self.store, pool_target=pool)
+                self.index = ServingIndex(
+                    self.store, pool_target=pool,
+                    announce=self._announce_events if events_enabled else None)
             else:
                 self.index = SyncServingIndex(self.store)
         except BaseException:
@@ -219,13 +222,18 @@ class KVStoreScheduler:
             origins = [None] * len(keys)
         return keys, bids, origins
 
-    def _origin(self, req, i: int) -> tuple[list[int], Any]:
-        """(token ids, parent hash) of block i of req, for its BlockStored event. Taken
-        when the store is planned: the request has usually finished (and is gone) by the
-        time every rank reported the write durable."""
+    def _origin(self, req, i: int) -> tuple:
+        """What block i of req's BlockStored event carries besides its hash, as vLLM's
+        own GPU events do: (token ids, parent hash, LoRA id, LoRA name, extra keys, session
+        id). Taken when the store is planned: the request has usually finished (and is
+        gone) by the time every rank reported the write durable."""
         bs = self.block_size
         parent = maybe_convert_block_hash(req.block_hashes[i - 1]) if i > 0 else None
-        return list(req.all_token_ids[i * bs:(i + 1) * bs]), parent
+        lora = req.lora_request
+        extra, _ = generate_block_hash_extra_keys(req, i * bs, (i + 1) * bs, 0)
+        return (list(req.all_token_ids[i * bs:(i + 1) * bs]), parent,
+                lora.adapter_id if lora else None, lora.name if lora else None,
+                to_event_extra_keys([extra]), getattr(req, "session_id", None))
 
     def _plan_lazy(self, limit: int) -> tuple[list, list, list]:
         """Cached GPU blocks nearest to eviction (head of vLLM's free queue), not stored
@@ -374,14 +382,33 @@ class KVStoreScheduler:
         for key, _slot, _gen in good:
             # Lazy stores come from vLLM's free queue, which keeps no tokens: their
             # events carry the hash only.
-            tokens, parent = origin_of.get(key) or ([], None)
+            tokens, parent, lora_id, lora_name, extra, session = \
+                origin_of.get(key) or ([], None, None, None, None, None)
             self._events.append(BlockStored(
                 block_hashes=[maybe_convert_block_hash(key[:-4])], parent_block_hash=parent,
-                token_ids=tokens, block_size=bs, lora_id=None, medium=MEDIUM, lora_name=None,
+                token_ids=tokens, block_size=bs, lora_id=lora_id, medium=MEDIUM,
+                lora_name=lora_name, extra_keys=extra, session_id=session,
                 group_idx=int.from_bytes(key[-4:], "big")))
+
+    def _announce_events(self, keys: list[bytes]) -> list:
+        """BlockStored events for entries found on disk at start (index thread): the
+        hashes only (the store keeps no tokens, parents or LoRA names), one event per
+        KV cache group in the batch."""
+        by_group: dict[int, list] = {}
+        for k in keys:
+            by_group.setdefault(int.from_bytes(k[-4:], "big"), []).append(
+                maybe_convert_block_hash(k[:-4]))
+        return [BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                            block_size=self.block_size, lora_id=None, medium=MEDIUM,
+                            lora_name=None, group_idx=g)
+                for g, hashes in by_group.items()]
 
     def take_events(self):
         ev, self._events = self._events, []
+        # One batch of start-up announcements per step (made on the index thread).
+        ann = self.index.take_announced() if self.events_enabled else None
+        if ann:
+            ev.extend(ann)
         return ev
 
     # -- lifecycle -------------------------------------------------------------------
