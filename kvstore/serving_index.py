@@ -52,9 +52,10 @@ _YIELD_S = 0.0001
 @dataclass
 class IndexEvent:
     """An outcome of the index thread, for the step thread (`ServingIndex.poll`)."""
-    kind: str                       # "committed", "evicted", "dropped", "error"
+    kind: str                       # "committed", "evicted", "dropped", "announce", "error"
     tag: object = None              # the caller's tag of a commit (its store job)
-    items: list = field(default_factory=list)    # committed: (key, slot, generation) now hits
+    items: list = field(default_factory=list)    # committed: (key, slot, generation) now hits;
+    #                                              announce: the events to publish
     keys: list = field(default_factory=list)     # evicted/dropped: keys that left the index
     failed: int = 0                 # committed: blocks not committed (stale or write error)
     error: Exception | None = None  # error: what failed (the step thread logs it once)
@@ -68,10 +69,11 @@ class ServingIndex:
     def __init__(self, store: DiskStore, *, pool_target: int = 1024, announce=None):
         self.store = store
         # After a restart, every entry on disk is announced (KV events a router learns
-        # from): `announce(keys)` makes a batch's events on the index thread, and the
-        # step thread publishes one ready batch per step (`take_announced`).
+        # from): `announce(keys)` makes a batch's events on the index thread, posted in
+        # order with evictions and drops (an "announce" IndexEvent), two batches at most
+        # waiting for the step thread (`announced` gives one back).
         self._announce = announce
-        self._announced: deque = deque()
+        self._announce_room = threading.Semaphore(2)
         self.index = store._writable()
         self.capacity = self.index.capacity_slots
         # The pool may hold at most half of a (tiny) store: its slots hold no data.
@@ -132,7 +134,8 @@ class ServingIndex:
     def contains(self, key: bytes) -> bool:
         if not self._ready:
             return self.index.lookup(key) is not None
-        return key in self._table
+        with self._lock:
+            return key in self._table
 
     # The step thread's per-step walks take vLLM's block hashes as they are (a list of
     # bytes) and run in C over the table (`KeyTable.prefix_of`, `plan_new`): no Python
@@ -248,14 +251,9 @@ class ServingIndex:
     def count_hits(self, hits: int, misses: int) -> None:
         self._ops.put(("count", hits, misses))
 
-    def take_announced(self) -> list:
-        """The next ready batch of announcement events (empty when none is ready)."""
-        try:
-            out = self._announced.popleft()
-        except IndexError:
-            return []
-        self._ops.put(("announce",))      # room for the next batch
-        return out
+    def announced(self) -> None:
+        """The step thread published an "announce" batch: room for the next."""
+        self._announce_room.release()
 
     @property
     def announcing(self) -> bool:
@@ -334,11 +332,14 @@ class ServingIndex:
             self._announce = None
         stop = False
         while not stop:
-            if announcing is not None and len(self._announced) < 2:
-                try:
-                    ops = [self._ops.get_nowait()]
-                except queue.Empty:
+            if announcing is not None:
+                # One batch per round, between the rounds of operations (never ahead of
+                # them), while the step thread has room for it.
+                if self._announce_room.acquire(blocking=False):
                     announcing = self._announce_next(announcing)
+                try:
+                    ops = [self._ops.get(timeout=0.05)]
+                except queue.Empty:
                     continue
             else:
                 ops = [self._ops.get()]
@@ -379,8 +380,6 @@ class ServingIndex:
                     elif kind == "count":
                         hits += op[1]
                         misses += op[2]
-                    elif kind == "announce":
-                        pass        # a batch was taken: the loop makes the next one
                     elif kind == "mark":
                         marks.append(op[1])
                     elif kind == "stop":
@@ -403,15 +402,19 @@ class ServingIndex:
                 m.set()
 
     def _announce_next(self, batches):
-        """Make the next batch of announcements; None (and `announcing` false) when
-        every entry found at open is announced or announcing failed."""
+        """Post the next batch of announcements (1024 keys); None (and `announcing`
+        false) when every entry found at open is announced or announcing failed."""
         try:
             keys = next(batches, None)
             if keys is None:
                 self._announce = None
                 return None
-            self._announced.append(self._announce(keys))
-            self._posted.set()
+            events = []
+            for i in range(0, len(keys), 1024):
+                events.extend(self._announce(keys[i:i + 1024]))
+                self._yield()
+            # In order with evictions and drops; not a wake-up for the step thread.
+            self._events.append(IndexEvent("announce", items=events))
             return batches
         except Exception as exc:
             self._announce = None
@@ -536,7 +539,6 @@ class SyncServingIndex(ServingIndex):
         self._pool_lock = threading.Lock()
         self._pool_slots, self._pool_gens = [], []
         self._announce = None
-        self._announced = deque()
         self._table = self._NoTable()
         self._pins: dict[int, int] = {}
         self._ready = True
@@ -552,8 +554,8 @@ class SyncServingIndex(ServingIndex):
     def wait_events(self, timeout: float) -> None:
         pass
 
-    def take_announced(self) -> list:
-        return []
+    def announced(self) -> None:
+        pass
 
     def lookup_pin(self, keys):
         entries = self.index.longest_prefix(keys)

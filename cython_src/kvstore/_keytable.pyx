@@ -296,25 +296,29 @@ cdef class KeyTable:
         if stop > len(block_ids):
             stop = len(block_ids)
         b = start
-        while b < stop and len(keys) < limit:
-            e = min(stop, b + BATCH)
-            for j in range(b, e):       # hash the batch, prefetch its buckets, then probe
-                lens[j - b] = _make_key(hashes[j], group, buf[j - b])
-                _fingerprint_raw(buf[j - b], lens[j - b], &fps[j - b], &fp2s[j - b])
-                KT_PREFETCH(&self.t[fps[j - b] & self.mask])
-            for j in range(e - b):
-                if len(keys) >= limit:
-                    break
-                if self._find(fps[j], fp2s[j]) >= 0:
-                    continue
-                key = PyBytes_FromStringAndSize(<char *>buf[j], lens[j])
-                if key in skip:
-                    continue
-                skip.add(key)
-                keys.append(key)
-                bids.append(block_ids[b + j])
-                idx.append(b + j)
-            b = e
+        try:
+            while b < stop and len(keys) < limit:
+                e = min(stop, b + BATCH)
+                for j in range(b, e):       # hash the batch, prefetch its buckets, then probe
+                    lens[j - b] = _make_key(hashes[j], group, buf[j - b])
+                    _fingerprint_raw(buf[j - b], lens[j - b], &fps[j - b], &fp2s[j - b])
+                    KT_PREFETCH(&self.t[fps[j - b] & self.mask])
+                for j in range(e - b):
+                    if len(keys) >= limit:
+                        break
+                    if self._find(fps[j], fp2s[j]) >= 0:
+                        continue
+                    key = PyBytes_FromStringAndSize(<char *>buf[j], lens[j])
+                    if key in skip:
+                        continue
+                    bids.append(block_ids[b + j])
+                    skip.add(key)
+                    keys.append(key)
+                    idx.append(b + j)
+                b = e
+        except BaseException:
+            skip.difference_update(keys)    # nothing planned: no key stays claimed
+            raise
         return keys, bids, idx
 
     def claim(self, list cands, dict pins, bint ready=True):

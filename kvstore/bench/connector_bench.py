@@ -91,6 +91,7 @@ class _StepTimer:
         self.steps: list[float] = []
         self.cpu: list[float] = []
         self.gc: list[float] = []
+        self.detail: list = []      # (step ms, [(call, ms) over 0.05 ms])
         self.idle: list[float] = []
         self.calls: dict[str, list[float]] = {}
         self._cur = None
@@ -121,13 +122,15 @@ class _StepTimer:
                         self._cur[0] += dt
                         self._cur[2] += dc
                         self._cur[3] += self._gc_ns - g0
+                        if dt > 50_000:
+                            self._cur[4].append((_name, round(dt / 1e6, 3)))
             setattr(conn, name, timed)
         sched = h.scheduler
         orig_schedule = sched.schedule
 
         def schedule(*a, **kw):
             self._close()
-            self._cur = [0, False, 0, 0]
+            self._cur = [0, False, 0, 0, []]
             so = orig_schedule(*a, **kw)
             self._cur[1] = so.total_num_scheduled_tokens > 0
             return so
@@ -147,6 +150,7 @@ class _StepTimer:
                 self.steps.append(self._cur[0] / 1e6)
                 self.cpu.append(self._cur[2] / 1e6)
                 self.gc.append(self._cur[3] / 1e6)
+                self.detail.append((self._cur[0] / 1e6, self._cur[4]))
             else:
                 self.idle.append(self._cur[0] / 1e6)
             self._cur = None
@@ -170,7 +174,10 @@ class _StepTimer:
                 # garbage collections inside the connector's calls (process-wide pauses)
                 "steps_with_gc": sum(1 for g in self.gc if g > 0),
                 "step_gc_max_ms": round(max(self.gc, default=0), 4),
-                "step_thread_fsyncs": self.index.fsyncs_by_thread[self._thread] - self._fsyncs0}
+                "step_thread_fsyncs": self.index.fsyncs_by_thread[self._thread] - self._fsyncs0,
+                # what the three slowest steps spent their time in (calls over 0.05 ms)
+                "slowest_steps": [{"ms": round(ms, 3), "calls": calls} for ms, calls in
+                                  sorted(self.detail, key=lambda d: -d[0])[:3]]}
 
 
 def _freeze_heap() -> None:

@@ -146,7 +146,7 @@ class KVStoreScheduler:
         try:
             # In C over the in-memory table; pinned: eviction skips them.
             keys, slots, gens = self.index.lookup_hashes(request.block_hashes, start, end)
-        except KVStoreError as exc:
+        except Exception as exc:    # never raises into the engine: a miss
             self._warn_once("lookup", exc)
             return 0, False
         n = len(slots)
@@ -177,23 +177,24 @@ class KVStoreScheduler:
             self.index.unpin(slots)
             self._warn_once("load planning", KVStoreError(f"expected {n} blocks, got {len(block_ids)}"))
             return
-        # The loaded blocks are on disk already: eager stores start after them.
-        self._stored_upto[req_id] = max(self._stored_upto.get(req_id, 0), start + n)
+        # The loaded blocks are on disk already: eager stores skip them, but not the GPU
+        # prefix hit before them (blocks 0..start), which may have left the disk.
+        if self._stored_upto.get(req_id, 0) >= start:
+            self._stored_upto[req_id] = start + n
         job = LoadJob(self._job_id(), req_id, block_ids, keys, slots, gens)
         self._pending_loads.append(job)
         self._inflight_loads[req_id] = (job, slots)
         self._stats.add(hit_tokens=n * self.block_size)
 
     # -- stores ----------------------------------------------------------------------
-    def _plan_eager(self, scheduler_output, limit: int) -> tuple[list, list, list]:
-        """(keys, GPU block ids, origins) of the blocks this step's forward completes that
-        are neither stored nor being stored, `limit` at most; their keys join
-        `_storing_keys`. The per-block walk is C (`ServingIndex.plan_new`)."""
-        keys: list[bytes] = []
-        bids: list[int] = []
-        origins: list = []
+    def _plan_eager(self, scheduler_output, limit: int, keys: list, bids: list,
+                    origins: list, spans: list) -> None:
+        """Append to keys, bids (GPU block ids) and origins the blocks this step's forward
+        completes that are neither stored nor being stored, `limit` at most; their keys
+        join `_storing_keys`. spans gets (request id, offset in keys, block indices) per
+        request. The per-block walk is C (`ServingIndex.plan_new`)."""
         if self._kv_cache_manager is None:
-            return keys, bids, origins
+            return
         bs = self.block_size
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self._requests.get(req_id)
@@ -212,15 +213,13 @@ class KVStoreScheduler:
             block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
             k, b, idx = self.index.plan_new(req.block_hashes, first, nfull, block_ids,
                                             self._storing_keys, room)
+            spans.append((req_id, len(keys), idx))
             keys += k
             bids += b
             if self.events_enabled:
                 origins += [self._origin(req, i) for i in idx]
             # A walk the limit cut short resumes after its last block in a later step.
             self._stored_upto[req_id] = idx[-1] + 1 if len(k) == room else nfull
-        if not self.events_enabled:
-            origins = [None] * len(keys)
-        return keys, bids, origins
 
     def _origin(self, req, i: int) -> tuple:
         """What block i of req's BlockStored event carries besides its hash, as vLLM's
@@ -235,14 +234,12 @@ class KVStoreScheduler:
                 lora.adapter_id if lora else None, lora.name if lora else None,
                 to_event_extra_keys([extra]), getattr(req, "session_id", None))
 
-    def _plan_lazy(self, limit: int) -> tuple[list, list, list]:
-        """Cached GPU blocks nearest to eviction (head of vLLM's free queue), not stored
-        or being stored: (keys, GPU block ids, origins)."""
-        keys: list[bytes] = []
-        bids: list[int] = []
+    def _plan_lazy(self, limit: int, keys: list, bids: list) -> None:
+        """Append the cached GPU blocks nearest to eviction (head of vLLM's free queue)
+        that are not stored or being stored; their keys join `_storing_keys`."""
         pool = self._block_pool
         if pool is None:
-            return keys, bids, []
+            return
         storing, contains = self._storing_keys, self.index.contains
         for seen, node in enumerate(pool.free_block_queue.iter_blocks_after(None)):
             if seen >= self._lazy_target or len(keys) >= limit:
@@ -255,29 +252,38 @@ class KVStoreScheduler:
             storing.add(key)
             keys.append(key)
             bids.append(node.block_id)
-        return keys, bids, [None] * len(keys)
 
     def _plan_stores(self, scheduler_output) -> list[StoreJob]:
         limit = self.cfg.max_store_blocks_per_step
         keys: list[bytes] = []
+        bids: list[int] = []
+        origins: list = []
+        spans: list = []
         try:
             if self.cfg.store_policy == "eager":
-                keys, bids, origins = self._plan_eager(scheduler_output, limit)
+                self._plan_eager(scheduler_output, limit, keys, bids, origins, spans)
             else:
-                keys, bids, origins = self._plan_lazy(limit)
+                self._plan_lazy(limit, keys, bids)
             if not keys:
                 return []
+            if not self.events_enabled:
+                origins = [None] * len(keys)
             # Slots from the index thread's pool (already reserved, victims already
             # evicted): a prefix of the blocks when the pool runs short.
             slots, gens = self.index.take(keys)
-        except KVStoreError as exc:
+        except Exception as exc:    # never raises into the engine: nothing is stored
             self._warn_once("store planning", exc)
             self._stats.add(store_dropped_blocks=len(keys))
             self._storing_keys.difference_update(keys)
+            for req_id, _, idx in spans:    # planned again next step
+                if idx:
+                    self._stored_upto[req_id] = min(self._stored_upto.get(req_id, 0), idx[0])
             return []
         n = len(slots)
         if n < len(keys):
             self._stats.add(store_dropped_blocks=len(keys) - n)
+            # The pool ran short (the index thread is behind): the rest is dropped, not
+            # retried at later steps (a backlog would grow every step's walk).
             self._storing_keys.difference_update(keys[n:])
             keys, bids, origins = keys[:n], bids[:n], origins[:n]
         if not n:
@@ -367,6 +373,9 @@ class KVStoreScheduler:
                 self._emit_removed(ev.keys)
             elif ev.kind == "dropped":
                 self._emit_removed(ev.keys)
+            elif ev.kind == "announce":     # entries found on disk at start
+                self._events.extend(ev.items)
+                self.index.announced()
             elif ev.kind == "error":
                 self._warn_once(ev.what, ev.error)
 
@@ -405,10 +414,6 @@ class KVStoreScheduler:
 
     def take_events(self):
         ev, self._events = self._events, []
-        # One batch of start-up announcements per step (made on the index thread).
-        ann = self.index.take_announced() if self.events_enabled else None
-        if ann:
-            ev.extend(ann)
         return ev
 
     # -- lifecycle -------------------------------------------------------------------
