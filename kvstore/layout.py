@@ -66,6 +66,9 @@ class Layout:
     tp_size: int = 1
     hash_algo: str = "sha256"
     kv_layout: str = ""      # how the payload is arranged (e.g. "LBNHC:layer-major")
+    # KV cache groups of a hybrid model, e.g. "full;swa:4096" ("" for one group: the
+    # fingerprint of single-group stores does not carry the field)
+    groups: str = ""
 
     def __post_init__(self):
         for name in ("block_size", "block_bytes", "num_layers", "tp_size"):
@@ -84,7 +87,10 @@ class Layout:
         return HEADER_SIZE + (self.block_bytes + ALIGN - 1) // ALIGN * ALIGN
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not d["groups"]:
+            del d["groups"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Layout":
@@ -102,7 +108,7 @@ class Layout:
     # block_bytes is derived from the geometry fields: name the cause, not the symptom.
     # (tp_size before num_kv_heads: the heads recorded are per rank.)
     _CHECK_ORDER = ("model", "dtype", "block_size", "tp_size", "num_layers", "num_kv_heads",
-                    "head_dim", "hash_algo", "kv_layout", "block_bytes")
+                    "head_dim", "hash_algo", "kv_layout", "groups", "block_bytes")
 
     def differences(self, other: "Layout") -> list[tuple[str, object, object]]:
         """Every differing field as (name, ours, theirs), causes before derived fields."""

@@ -153,6 +153,14 @@ class ServingIndex:
                 pin_counts_add(self._pins, slots)
         return keys, slots, gens
 
+    def present(self, hashes: list, start: int, stop: int, group: int = 0) -> bytes:
+        """A flag per block start..stop: its key is stored (not pinned; see lookup_hashes)."""
+        if not self._ready:
+            return bytes(self.index.lookup(block_key(h, group)) is not None
+                         for h in hashes[max(0, start):stop])
+        with self._lock:
+            return self._table.present(hashes, start, stop, group)
+
     def plan_new(self, hashes: list, start: int, stop: int, block_ids: list, skip: set,
                  limit: int, group: int = 0) -> tuple[list[bytes], list[int], list[int]]:
         """(keys, block ids, block indices) of blocks start..stop not stored yet and not
@@ -568,6 +576,10 @@ class SyncServingIndex(ServingIndex):
 
     def lookup_hashes(self, hashes, start, stop, group=0):
         return self._lookup_hashes_lmdb(hashes, start, stop, group)
+
+    def present(self, hashes, start, stop, group=0):
+        return bytes(self.index.lookup(block_key(h, group)) is not None
+                     for h in hashes[max(0, start):stop])
 
     def plan_new(self, hashes, start, stop, block_ids, skip, limit, group=0):
         return self._plan_new_lmdb(hashes, start, stop, block_ids, skip, limit, group)

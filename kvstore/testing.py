@@ -19,6 +19,15 @@ p, r). Any block the request starts with (``num_computed_tokens > 0`` at its
 first scheduling: local prefix-cache hit or external load) is checked against
 that function before the forward runs, so a connector that delivers wrong bytes
 is caught (``blocks_mismatched``).
+
+With ``sliding_window`` set the model is hybrid: two KV cache groups of the same
+block size (full attention over the first half of the layers, sliding window over
+the second half), planned by vLLM's own ``get_kv_cache_groups`` /
+``get_kv_cache_config_from_groups`` with the hybrid KV cache manager on, so the
+groups' tensors alias one allocation and vLLM's ``HybridKVCacheCoordinator``
+schedules them. Each layer is written and verified through its own group's block
+table; sliding-window layers are verified only inside the window vLLM keeps
+(positions ``>= num_computed_tokens - num_retained_tokens``).
 """
 
 from __future__ import annotations
@@ -155,9 +164,13 @@ def expected_token_bytes(
 
 @dataclass
 class _ReqState:
-    block_ids: list[int] = field(default_factory=list)  # group 0 block table
+    tables: list[list[int]] = field(default_factory=lambda: [[]])  # per KV cache group
     hashes: list[int] = field(default_factory=list)  # prefix hash per position
     sampled: list[int] = field(default_factory=list)  # tokens the harness emitted
+
+    @property
+    def block_ids(self) -> list[int]:  # group 0 block table
+        return self.tables[0]
 
 
 @dataclass
@@ -186,6 +199,11 @@ class EngineHarness:
             KVEventsConfig fields given (a dict, e.g. vLLM's ZMQ publisher).
         async_scheduling: build an AsyncScheduler and lag update_from_output by
             one step, like vLLM's async engine loop.
+        sliding_window: None (default) for one full-attention KV cache group. A
+            window in tokens for a hybrid model: group 0 is FullAttentionSpec over
+            the first half of the layers, group 1 SlidingWindowSpec(sliding_window)
+            over the second half (num_layers must be even, >= 2), both with
+            ``block_size``, planned with vLLM's hybrid KV cache manager enabled.
     """
 
     def __init__(
@@ -211,6 +229,7 @@ class EngineHarness:
         async_scheduling: bool = False,
         hash_algo: str = "sha256",
         verify: bool = True,
+        sliding_window: int | None = None,
     ):
         from vllm.config import (
             CacheConfig,
@@ -252,6 +271,17 @@ class EngineHarness:
         self.layout_name = layout
         self.verify_enabled = verify
         self.async_scheduling = async_scheduling
+        if sliding_window is not None:
+            if isinstance(sliding_window, bool) or int(sliding_window) != sliding_window \
+                    or sliding_window < 1:
+                raise ValueError(f"sliding_window must be a positive int, got {sliding_window!r}")
+            if self.num_layers < 2 or self.num_layers % 2:
+                raise ValueError(
+                    "sliding_window needs an even num_layers >= 2 (half full attention, "
+                    f"half sliding window); the model has {self.num_layers}"
+                )
+            sliding_window = int(sliding_window)
+        self.sliding_window = sliding_window
 
         model_config = ModelConfig(
             model=model_dir,
@@ -300,6 +330,11 @@ class EngineHarness:
         vllm_config.cache_config.num_gpu_blocks_override = num_gpu_blocks
         vllm_config.parallel_config.tensor_parallel_size = tp_size
         vllm_config.parallel_config.world_size = tp_size
+        if sliding_window is not None:
+            # VllmConfig turns the hybrid KV cache manager off on platforms that do not
+            # support it (CPU) and refuses an explicit False at construction; on a GPU
+            # it stays on for a hybrid model. Enable it as a GPU engine would have it.
+            vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
         self.vllm_config = vllm_config
 
         self.kv_cache_config = self._build_kv_cache_config()
@@ -344,10 +379,10 @@ class EngineHarness:
         self.kv_connector_stats: list[Any] = []
         self.finished: dict[str, list[int]] = {}  # req id -> output token ids
         self._outputs: dict[str, list[int]] = {}
-        self._last_tables: dict[str, list[int]] = {}  # block tables of freed reqs
+        self._last_tables: dict[str, list[list[int]]] = {}  # tables of freed reqs
         self._req_state: dict[str, _ReqState] = {}
         # block id -> (prefix hash of last written token, tokens written in
-        # the block) for blocks the harness forward wrote itself.
+        # the block, KV cache group) for blocks the harness forward wrote itself.
         self._block_owner: dict[int, tuple[int, int]] = {}
         self._req_counter = itertools.count()
         self._hid = next(_HARNESS_IDS)
@@ -372,13 +407,89 @@ class EngineHarness:
         self.layer_names = [
             f"model.layers.{i}.self_attn.attn" for i in range(self.num_layers)
         ]
+        if self.sliding_window is not None:
+            return self._build_hybrid_kv_cache_config(spec)
         groups = [KVCacheGroupSpec(list(self.layer_names), spec)]
         available = spec.page_size_bytes * self.num_layers * self.num_gpu_blocks
         cfg = get_kv_cache_config_from_groups(self.vllm_config, groups, available)
         assert cfg.num_blocks == self.num_gpu_blocks, cfg.num_blocks
         cfg.kv_cache_layout = self.layout_name
         cfg.hash_block_size = self.block_size
+        self._set_group_info(cfg)
         return cfg
+
+    def _build_hybrid_kv_cache_config(self, full_spec):
+        """Full attention over the first half of the layers, sliding window over the
+        second half, grouped and planned by vLLM's own planner (as the engine core does
+        for a hybrid model with the hybrid KV cache manager on): one KVCacheTensor per
+        group, all aliasing one allocation from byte 0."""
+        from vllm.v1.core.kv_cache_planning import (
+            get_kv_cache_config_from_groups,
+            get_kv_cache_groups,
+        )
+        from vllm.v1.core.kv_cache_utils import (
+            resolve_cache_hit_alignment_tokens,
+            resolve_kv_cache_block_sizes,
+        )
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+        assert not self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+        swa_spec = SlidingWindowSpec(
+            block_size=full_spec.block_size,
+            num_kv_heads=full_spec.num_kv_heads,
+            head_size=full_spec.head_size,
+            dtype=full_spec.dtype,
+            sliding_window=self.sliding_window,
+        )
+        half = self.num_layers // 2
+        per_layer = {
+            name: (full_spec if i < half else swa_spec)
+            for i, name in enumerate(self.layer_names)
+        }
+        groups = get_kv_cache_groups(self.vllm_config, per_layer)
+        got = [(type(g.kv_cache_spec), list(g.layer_names)) for g in groups]
+        want = [(FullAttentionSpec, self.layer_names[:half]),
+                (SlidingWindowSpec, self.layer_names[half:])]
+        if got != want:  # pragma: no cover - a vLLM planner change
+            raise HarnessError(f"vLLM grouped the hybrid model unexpectedly: {got}")
+        per_block = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
+                        for g in groups)
+        cfg = get_kv_cache_config_from_groups(
+            self.vllm_config, groups, per_block * self.num_gpu_blocks
+        )
+        assert cfg.num_blocks == self.num_gpu_blocks, cfg.num_blocks
+        assert len(cfg.kv_cache_tensors) == len(groups)
+        assert all(t.offset == 0 for t in cfg.kv_cache_tensors)
+        cfg.kv_cache_layout = self.layout_name
+        # What the engine core writes before building the scheduler and workers.
+        sbs, hbs = resolve_kv_cache_block_sizes(cfg, self.vllm_config)
+        assert sbs == hbs == self.block_size, (sbs, hbs)
+        cfg.hash_block_size = hbs
+        cfg.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+            cfg, self.vllm_config, sbs, hbs
+        )
+        self._set_group_info(cfg)
+        return cfg
+
+    def _set_group_info(self, cfg) -> None:
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+        self.group_specs = [g.kv_cache_spec for g in cfg.kv_cache_groups]
+        self.num_groups = len(self.group_specs)
+        index = {n: i for i, n in enumerate(self.layer_names)}
+        #: group of each layer (index into ``layer_names``)
+        self.layer_groups = [0] * self.num_layers
+        #: layer indices of each group
+        self.group_layers = [[index[n] for n in g.layer_names] for g in cfg.kv_cache_groups]
+        for g, layers in enumerate(self.group_layers):
+            for li in layers:
+                self.layer_groups[li] = g
+        # tokens before num_computed_tokens that a group still holds (None: all)
+        self._group_retained = [
+            s.num_retained_tokens if isinstance(s, SlidingWindowSpec) else None
+            for s in self.group_specs
+        ]
+        self._hybrid = self.num_groups > 1
 
     def _build_scheduler(self, hash_algo: str):
         from vllm.utils.hashing import get_hash_fn_by_name
@@ -394,10 +505,14 @@ class EngineHarness:
             log_stats=True,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
             block_size=self.block_size,
+            **({"hash_block_size": self.kv_cache_config.hash_block_size}
+               if self._hybrid else {}),
         )
         hash_fn = get_hash_fn_by_name(hash_algo)
         init_none_hash(hash_fn)
-        self._block_hasher = get_request_block_hasher(self.block_size, hash_fn)
+        self._block_hasher = get_request_block_hasher(
+            self.kv_cache_config.hash_block_size, hash_fn
+        )
         self.scheduler_connector = self.scheduler.connector
 
     def _build_workers(self):
@@ -422,7 +537,7 @@ class EngineHarness:
                 self.kv_cache_config,
                 torch.device("cpu"),
                 layout,
-                [self.block_size],
+                [self.block_size] * self.num_groups,
             )
             byte_views = [kv_caches[n].view(torch.uint8) for n in self.layer_names]
             connector = None
@@ -514,33 +629,70 @@ class EngineHarness:
         return h
 
     def _update_block_tables(self, so) -> list[tuple[str, int]]:
-        """Apply the scheduler output to the per-request block tables, like the
-        model runner does. Returns (req_id, num_computed_tokens) of requests
-        scheduled for the first time (new or resumed)."""
+        """Apply the scheduler output to the per-request, per-group block tables,
+        like the model runner does. Returns (req_id, num_computed_tokens) of
+        requests scheduled for the first time (new or resumed)."""
         first: list[tuple[str, int]] = []
+        ng = self.num_groups
         for nr in so.scheduled_new_reqs:
             st = self._req_state.setdefault(nr.req_id, _ReqState())
-            st.block_ids = list(nr.block_ids[0])
+            st.tables = [list(nr.block_ids[g]) for g in range(ng)]
             first.append((nr.req_id, nr.num_computed_tokens))
         cr = so.scheduled_cached_reqs
         for i, req_id in enumerate(cr.req_ids):
             st = self._req_state.setdefault(req_id, _ReqState())
             nb = cr.new_block_ids[i]
             if req_id in cr.resumed_req_ids:
-                st.block_ids = list(nb[0]) if nb is not None else []
+                st.tables = [list(nb[g]) if nb is not None else [] for g in range(ng)]
                 first.append((req_id, cr.num_computed_tokens[i]))
             elif nb is not None:
-                st.block_ids.extend(nb[0])
+                for g in range(ng):
+                    st.tables[g].extend(nb[g])
+        if self._hybrid:
+            self._sync_null_blocks()
         return first
+
+    def _sync_null_blocks(self) -> None:
+        """Mirror into the harness tables the blocks vLLM replaced by the null block
+        (sliding-window blocks that left the window, ``remove_skipped_blocks`` in
+        ``allocate_slots``). vLLM's model runner keeps the stale ids (its kernels
+        never read them); the harness drops them so that ``block_tables`` shows the
+        blocks the request still holds, and checks that its tables agree with the
+        scheduler's."""
+        stms = self.scheduler.kv_cache_manager.coordinator.single_type_managers
+        for req_id, st in self._req_state.items():
+            for g, stm in enumerate(stms):
+                blocks = stm.req_to_blocks.get(req_id)
+                if blocks is None:
+                    continue  # not allocated (preempted, finished, waiting)
+                table = st.tables[g]
+                if len(blocks) != len(table):
+                    continue  # not scheduled this step (e.g. waiting for remote KV)
+                for i, b in enumerate(blocks):
+                    if b.is_null:
+                        table[i] = 0
+                    elif table[i] != b.block_id:
+                        raise HarnessError(
+                            f"{req_id}: group {g} block table {table} disagrees with "
+                            f"the scheduler's {[x.block_id for x in blocks]} at {i}"
+                        )
 
     def _slots(self, block_ids: list[int], start: int, end: int):
         pos = np.arange(start, end, dtype=np.int64)
         bidx = np.asarray(block_ids, dtype=np.int64)[pos // self.block_size]
         return pos, bidx, pos % self.block_size
 
-    def _verify(self, req_id: str, num_computed: int) -> None:
-        import torch
+    def _window_start(self, group: int, num_computed: int) -> int:
+        """First position of ``num_computed`` computed tokens that ``group`` still
+        holds (0 for full attention; for a sliding window the last
+        ``num_retained_tokens = sliding_window - 1`` tokens, as vLLM's
+        ``SlidingWindowManager.get_num_skipped_tokens``)."""
+        retained = self._group_retained[group]
+        if retained is None:
+            return 0
+        return max(0, num_computed - retained)
 
+    def _verify(self, req_id: str, num_computed: int) -> None:
         if num_computed <= 0:
             return
         tokens = self._tokens(req_id)
@@ -548,48 +700,82 @@ class EngineHarness:
             self._hashes_for(req_id, tokens, num_computed)[:num_computed], dtype=np.uint64
         )
         st = self._req_state[req_id]
-        pos, bidx, off = self._slots(st.block_ids, 0, num_computed)
-        nblocks = (num_computed + self.block_size - 1) // self.block_size
+        for g in range(self.num_groups):
+            self._verify_group(req_id, st, g, num_computed, hashes)
+
+    def _verify_group(self, req_id: str, st: _ReqState, g: int, num_computed: int,
+                      hashes: np.ndarray) -> None:
+        """Check the bytes of group ``g``'s layers at the positions the group still
+        holds: all of [0, num_computed) for full attention, the window for a sliding
+        window. A null block where a held position should be counts as mismatched."""
+        import torch
+
+        bs = self.block_size
+        table = st.tables[g]
+        lo = self._window_start(g, num_computed)
+        first_block = lo // bs
+        nblocks = (num_computed + bs - 1) // bs
         bad = np.zeros(nblocks, dtype=bool)
+        pos, bidx, off = self._slots(table, lo, num_computed)
+        if self._hybrid:
+            null = bidx == 0
+            if null.any():
+                for b in np.unique(pos[null] // bs).tolist():
+                    bad[b] = True
+                    if len(self.mismatches) < 16:
+                        self.mismatches.append(
+                            dict(req_id=req_id, group=g, rank=None, layer=None,
+                                 position=int(b * bs), block_id=0, null=True)
+                        )
+                keep = ~null
+                pos, bidx, off = pos[keep], bidx[keep], off[keep]
+        n = len(pos)
+        h = hashes[pos] if lo or len(pos) != num_computed else hashes
         tb = torch.from_numpy(bidx)
         to = torch.from_numpy(off)
         for rk in self.ranks:
-            for li, bv in enumerate(rk.byte_views):
-                got = bv[tb, :, to, :].reshape(num_computed, -1).numpy()
-                exp = expected_token_bytes(hashes, pos, li, rk.rank, got.shape[1])
+            for li in self.group_layers[g]:
+                bv = rk.byte_views[li]
+                got = bv[tb, :, to, :].reshape(n, -1).numpy()
+                exp = expected_token_bytes(h, pos, li, rk.rank, got.shape[1])
                 tok_bad = (got != exp).any(axis=1)
                 if tok_bad.any():
                     bad |= np.bincount(
-                        pos[tok_bad] // self.block_size, minlength=nblocks
+                        pos[tok_bad] // bs, minlength=nblocks
                     )[:nblocks].astype(bool)
                     if len(self.mismatches) < 16:
-                        p = int(pos[tok_bad][0])
-                        self.mismatches.append(
-                            dict(req_id=req_id, rank=rk.rank, layer=li, position=p,
-                                 block_id=int(bidx[p]))
-                        )
-        for i in range(nblocks):
-            bid = st.block_ids[i]
-            end = min((i + 1) * self.block_size, num_computed)
-            key = (int(hashes[end - 1]), end - i * self.block_size)
+                        j = int(np.flatnonzero(tok_bad)[0])
+                        m = dict(req_id=req_id, rank=rk.rank, layer=li,
+                                 position=int(pos[j]), block_id=int(bidx[j]))
+                        if self._hybrid:
+                            m["group"] = g
+                        self.mismatches.append(m)
+        for i in range(first_block, nblocks):
+            bid = table[i]
+            if bid == 0 and self._hybrid:
+                continue  # counted as mismatched above
+            end = min((i + 1) * bs, num_computed)
+            key = (int(hashes[end - 1]), end - i * bs, g)
             owner = self._block_owner.get(bid)
             # A block the harness wrote with exactly this content is a local
             # prefix-cache hit; anything else arrived from outside.
-            if owner is None or owner[0] != key[0] or owner[1] < key[1]:
+            if owner is None or owner[0] != key[0] or owner[1] < key[1] or owner[2] != g:
                 self.stats["blocks_loaded"] += 1
             if not bad[i]:
                 self._block_owner[bid] = key
-        self.stats["blocks_verified"] += nblocks
+        self.stats["blocks_verified"] += nblocks - first_block
         self.stats["blocks_mismatched"] += int(bad.sum())
 
     def _forward_write(self, rk: _Rank, writes) -> None:
+        """``writes[g]``: this step's (positions, block ids, offsets, hashes) in
+        group ``g``'s blocks; each layer writes through its own group's table."""
         import torch
 
         for li, name in enumerate(self.layer_names):
             if rk.connector is not None:
                 rk.connector.wait_for_layer_load(name)
             bv = rk.byte_views[li]
-            for pos, bidx, off, hashes in writes:
+            for pos, bidx, off, hashes in writes[self.layer_groups[li]]:
                 exp = expected_token_bytes(hashes, pos, li, rk.rank, self.token_bytes)
                 val = torch.from_numpy(exp).reshape(len(pos), bv.shape[1], bv.shape[3])
                 bv[torch.from_numpy(bidx), :, torch.from_numpy(off), :] = val
@@ -608,8 +794,9 @@ class EngineHarness:
         self.stats["steps"] += 1
         first = self._update_block_tables(so)
 
-        # Prepare this step's writes (same for every rank, content differs).
-        writes = []
+        # Prepare this step's writes (same for every rank, content differs), per
+        # KV cache group.
+        writes: list[list] = [[] for _ in range(self.num_groups)]
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         for req_id, n in so.num_scheduled_tokens.items():
@@ -619,8 +806,16 @@ class EngineHarness:
             st = self._req_state[req_id]
             tokens = self._tokens(req_id)
             h = self._hashes_for(req_id, tokens, end)
-            pos, bidx, off = self._slots(st.block_ids, start, end)
-            writes.append((pos, bidx, off, np.asarray(h[start:end], dtype=np.uint64)))
+            hs = np.asarray(h[start:end], dtype=np.uint64)
+            for g in range(self.num_groups):
+                pos, bidx, off = self._slots(st.tables[g], start, end)
+                if self._hybrid:
+                    keep = bidx != 0  # null block: outside the window, not written
+                    if not keep.all():
+                        pos, bidx, off, hs_g = pos[keep], bidx[keep], off[keep], hs[keep]
+                        writes[g].append((pos, bidx, off, hs_g))
+                        continue
+                writes[g].append((pos, bidx, off, hs))
             self.stats["tokens_computed"] += n
             req_ids.append(req_id)
             if end >= len(req.prompt_token_ids) and end >= len(tokens):
@@ -642,8 +837,9 @@ class EngineHarness:
         # Phase 2, every rank: forward (writes this step's tokens).
         for rk in self.ranks:
             self._forward_write(rk, writes)
-        for pos, bidx, off, hashes in writes:
-            self._record_owner(bidx, off, hashes)
+        for g, group_writes in enumerate(writes):
+            for pos, bidx, off, hashes in group_writes:
+                self._record_owner(bidx, off, hashes, g)
         # Verify the prefix every newly scheduled request starts from. After
         # the forward, because a request may hit blocks that another request
         # computes in this same step (the attention kernel would read them
@@ -700,13 +896,13 @@ class EngineHarness:
             return self._update(*prev)
         return self._update(so, mro)
 
-    def _record_owner(self, bidx, off, hashes) -> None:
+    def _record_owner(self, bidx, off, hashes, group: int = 0) -> None:
         if len(bidx) == 0:
             return
         # last write per block wins; writes within a block are in order
         last = {}
         for b, o, h in zip(bidx.tolist(), off.tolist(), hashes.tolist()):
-            last[b] = (h, o + 1)
+            last[b] = (h, o + 1, group)
         self._block_owner.update(last)
 
     def _update(self, so, mro) -> dict:
@@ -732,7 +928,7 @@ class EngineHarness:
         # requests freed without output (e.g. aborted) drop their state
         for rid in list(self._req_state):
             if rid not in self.scheduler.requests:
-                self._last_tables[rid] = self._req_state.pop(rid).block_ids
+                self._last_tables[rid] = self._req_state.pop(rid).tables
         self._collect_events()
         return eco
 
@@ -852,14 +1048,27 @@ class EngineHarness:
     def block_table(self, req_id: str) -> list[int]:
         """Group-0 block table of a request as the worker saw it last (also
         after the request finished)."""
+        return self.block_tables(req_id)[0]
+
+    def block_tables(self, req_id: str) -> tuple[list[int], ...]:
+        """Block table of every KV cache group of a request (one list per group, as
+        ``KVCacheBlocks.get_block_ids()``), as the worker saw it last, also after the
+        request finished. Block id 0 is vLLM's null block (sliding-window blocks
+        outside the window)."""
         st = self._req_state.get(req_id)
-        if st is not None:
-            return list(st.block_ids)
-        return list(self._last_tables[req_id])
+        tables = st.tables if st is not None else self._last_tables[req_id]
+        return tuple(list(t) for t in tables)
+
+    def layers_of_group(self, group: int) -> list[int]:
+        """Layer indices (for ``byte_views``, ``corrupt_block``) of a KV cache group."""
+        return list(self.group_layers[group])
 
     def corrupt_block(self, block_id: int, rank: int = 0, layer: int = 0,
                       byte: int = 0) -> None:
-        """Flip one byte of ``block_id`` in a rank's KV cache (test helper)."""
+        """Flip one byte of ``block_id`` in a rank's KV cache (test helper). ``layer``
+        indexes ``layer_names``; the block is read through that layer's group (see
+        ``layer_groups``/``layers_of_group``). Byte ``b`` is, in the logical
+        ``[H, N, C]`` page, head ``b // (N*C)``, token ``b // C % N``, byte ``b % C``."""
         bv = self.ranks[rank].byte_views[layer]  # [B, H, N, Cbytes], strided
         _, nh, nn, nc = bv.shape
         hi, rest = divmod(byte % (nh * nn * nc), nn * nc)

@@ -91,6 +91,39 @@ def check_copyable(kv_cache_config, group_ids: Sequence[int] = (0,)) -> None:
                               "supports one full-attention group")
 
 
+def check_groups_alias(kv_caches: dict, kv_cache_config) -> None:
+    """With several KV cache groups (vLLM's hybrid KV cache manager), kvstore copies every
+    group's blocks through group 0's layer views. That is right when, as vLLM 0.33 lays a
+    hybrid model out (`get_kv_cache_config_from_groups`), the groups overlay one
+    allocation: group g's i-th layer is the same memory (address, shape, strides, dtype)
+    as group 0's i-th layer, so block b is group g's page wherever group g owns b.
+    Anything else is refused, naming the first layer that differs."""
+    groups = kv_cache_config.kv_cache_groups
+
+    def view(name):
+        t = kv_caches[name]
+        if isinstance(t, (list, tuple)):
+            raise ConfigError(f"kvstore: layer {name} has several KV tensors; a hybrid "
+                              "model's layers must each have one")
+        return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+
+    base = [view(n) for n in groups[0].layer_names]
+    for g, grp in enumerate(groups[1:], start=1):
+        names = list(grp.layer_names)
+        if len(names) != len(base):
+            raise ConfigError(
+                f"kvstore: KV cache group {g} has {len(names)} layers and group 0 has "
+                f"{len(base)}; kvstore stores hybrid models whose groups have as many layers "
+                "each (vLLM pads them so). Remove the kvstore connector for this model.")
+        for i, n in enumerate(names):
+            if view(n) != base[i]:
+                raise ConfigError(
+                    f"kvstore: layer {n} (KV cache group {g}) does not overlay layer "
+                    f"{groups[0].layer_names[i]} of group 0; kvstore copies a hybrid model's "
+                    "blocks through one set of layer views. Remove the kvstore connector "
+                    "for this model.")
+
+
 def kv_regions(kv_caches: dict, kv_cache_config, group_ids: Sequence[int] = (0,)):
     """The KV regions of the transfer groups, checked against vLLM's views.
 

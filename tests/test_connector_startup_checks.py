@@ -137,22 +137,37 @@ def test_tensor_parallelism_passes(tmp_path):
 # ------------------------------------------------------------------ KV cache groups
 
 
-def test_sliding_window_groups_point_to_disable_hybrid_kv_cache_manager(tmp_path):
+def test_full_and_sliding_window_groups_are_served_with_their_groups_in_the_layout(tmp_path):
     from kvstore.vllm.config import layout_from_vllm
     vc = _vllm_config(tmp_path)
+    hybrid = layout_from_vllm(vc, _kv_cache_config(_full(), _swa()))
+    assert hybrid.groups == "full;swa:64"
+    single = layout_from_vllm(vc, _kv_cache_config(_full()))
+    assert single.groups == "" and "groups" not in single.to_dict()  # old fingerprints hold
+    assert hybrid.first_difference(single) == ("groups", "full;swa:64", "")
+
+
+def test_groups_of_different_layer_counts_point_to_disable_hybrid_kv_cache_manager(tmp_path):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from kvstore.vllm.config import layout_from_vllm
+    groups = [KVCacheGroupSpec([LAYER.format(0), LAYER.format(1)], _full()),
+              KVCacheGroupSpec([LAYER.format(2)], _swa())]
     with pytest.raises(ConfigError) as ei:
-        layout_from_vllm(vc, _kv_cache_config(_full(), _swa()))
+        layout_from_vllm(_vllm_config(tmp_path),
+                         KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups))
     assert str(ei.value) == (
-        "kvstore supports models with one KV cache group, and this model has 2 "
-        "(1 FullAttentionSpec, 1 SlidingWindowSpec). Start vLLM with "
-        "--disable-hybrid-kv-cache-manager: it then serves the sliding-window layers as full "
-        "attention in one group, which kvstore supports (or remove the kvstore connector).")
+        "kvstore serves full-attention and sliding-window groups of one block size, page and "
+        "layer count; this model has 2 KV cache groups (1 FullAttentionSpec, 1 "
+        "SlidingWindowSpec) differ. Start vLLM with --disable-hybrid-kv-cache-manager: it then "
+        "serves the sliding-window layers as full attention in one group, which kvstore "
+        "supports (or remove the kvstore connector).")
 
 
-def test_the_disable_hybrid_advice_holds_in_vllm(tmp_path):
-    """What the message promises, checked with vLLM's own planner: the same layers are
-    several groups with the hybrid KV cache manager, and one FullAttentionSpec group that
-    kvstore accepts without it."""
+def test_vllm_hybrid_plan_and_its_single_group_fallback_are_both_served(tmp_path):
+    """vLLM's own planner: with the hybrid KV cache manager the layers form a full and a
+    sliding-window group (served, the groups in the layout); without it one
+    FullAttentionSpec group (served as before)."""
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -168,9 +183,8 @@ def test_the_disable_hybrid_advice_holds_in_vllm(tmp_path):
 
     hybrid = plan(False)
     assert len(hybrid.kv_cache_groups) > 1
-    with pytest.raises(ConfigError, match="--disable-hybrid-kv-cache-manager") as ei:
-        layout_from_vllm(vc, hybrid)
-    assert "FullAttentionSpec" in str(ei.value) and "SlidingWindowSpec" in str(ei.value)
+    lay = layout_from_vllm(vc, hybrid)
+    assert sorted(lay.groups.split(";")) == ["full", "swa:64"] and lay.num_layers == 2
     single = plan(True)
     assert [type(g.kv_cache_spec) for g in single.kv_cache_groups] == [FullAttentionSpec]
     assert layout_from_vllm(vc, single).num_layers == 4
@@ -185,9 +199,9 @@ def test_mamba_groups_are_refused_as_not_supported(tmp_path):
     with pytest.raises(ConfigError) as ei:
         layout_from_vllm(_vllm_config(tmp_path), _kv_cache_config(_full(), _swa(), mamba))
     assert str(ei.value) == (
-        "kvstore supports models with one KV cache group, and this model has 3 "
-        "(1 FullAttentionSpec, 1 SlidingWindowSpec, 1 MambaSpec). Mamba/hybrid-SSM state is "
-        "not supported by kvstore yet: remove the kvstore connector for this model.")
+        "kvstore: this model has 3 KV cache groups (1 FullAttentionSpec, 1 SlidingWindowSpec, "
+        "1 MambaSpec). Mamba/hybrid-SSM state is not supported by kvstore yet: remove the "
+        "kvstore connector for this model.")
 
 
 def test_groups_without_a_single_group_fallback_get_no_false_advice(tmp_path):

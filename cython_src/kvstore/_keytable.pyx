@@ -276,6 +276,26 @@ cdef class KeyTable:
             b = e
         return keys, slots, gens
 
+    def present(self, list hashes, Py_ssize_t start, Py_ssize_t stop, uint32_t group=0):
+        """bytes of stop - start flags: 1 where block j's key (hash + group) is in the
+        table (a sliding-window group's hit needs the blocks of a window, not a prefix)."""
+        if start < 0:
+            start = 0
+        if stop > len(hashes):
+            stop = len(hashes)
+        if stop <= start:
+            return b""
+        cdef bytearray out = bytearray(stop - start)
+        cdef unsigned char buf[KEY_MAX]
+        cdef Py_ssize_t n, j
+        cdef uint64_t fp
+        cdef uint32_t fp2
+        for j in range(start, stop):
+            n = _make_key(hashes[j], group, buf)
+            _fingerprint_raw(buf, n, &fp, &fp2)
+            out[j - start] = 1 if self._find(fp, fp2) >= 0 else 0
+        return bytes(out)
+
     def plan_new(self, list hashes, Py_ssize_t start, Py_ssize_t stop, list block_ids,
                  set skip, Py_ssize_t limit, uint32_t group=0):
         """Blocks start..stop of `hashes` to store: (keys, block ids, block indices) of

@@ -92,6 +92,7 @@ class _StepTimer:
         self.cpu: list[float] = []
         self.gc: list[float] = []
         self.detail: list = []      # (step ms, [(call, ms) over 0.05 ms])
+        self.vllm: list[float] = []   # vLLM's own scheduler time per step (ms)
         self.idle: list[float] = []
         self.calls: dict[str, list[float]] = {}
         self._cur = None
@@ -128,13 +129,27 @@ class _StepTimer:
         sched = h.scheduler
         orig_schedule = sched.schedule
 
+        # vLLM's own scheduler work per step, for scale: the wall time of
+        # Scheduler.schedule and update_from_output less the connector calls inside them.
         def schedule(*a, **kw):
             self._close()
-            self._cur = [0, False, 0, 0, []]
+            self._cur = [0, False, 0, 0, [], 0]
+            t = time.perf_counter_ns()
             so = orig_schedule(*a, **kw)
+            self._cur[5] += time.perf_counter_ns() - t
             self._cur[1] = so.total_num_scheduled_tokens > 0
             return so
         sched.schedule = schedule
+        orig_update = sched.update_from_output
+
+        def update_from_output(*a, **kw):
+            t = time.perf_counter_ns()
+            try:
+                return orig_update(*a, **kw)
+            finally:
+                if self._cur is not None:
+                    self._cur[5] += time.perf_counter_ns() - t
+        sched.update_from_output = update_from_output
 
     def _on_gc(self, phase, info):
         if threading.get_ident() != self._thread:
@@ -151,6 +166,7 @@ class _StepTimer:
                 self.cpu.append(self._cur[2] / 1e6)
                 self.gc.append(self._cur[3] / 1e6)
                 self.detail.append((self._cur[0] / 1e6, self._cur[4]))
+                self.vllm.append(max(0, self._cur[5] - self._cur[0]) / 1e6)
             else:
                 self.idle.append(self._cur[0] / 1e6)
             self._cur = None
@@ -175,6 +191,10 @@ class _StepTimer:
                 "steps_with_gc": sum(1 for g in self.gc if g > 0),
                 "step_gc_max_ms": round(max(self.gc, default=0), 4),
                 "step_thread_fsyncs": self.index.fsyncs_by_thread[self._thread] - self._fsyncs0,
+                # vLLM's own scheduler work per step (schedule + update_from_output,
+                # connector calls excluded), for scale
+                "vllm_scheduler_p50_ms": round(_pct(self.vllm, 0.5), 4),
+                "vllm_scheduler_p99_ms": round(_pct(self.vllm, 0.99), 4),
                 # what the three slowest steps spent their time in (calls over 0.05 ms)
                 "slowest_steps": [{"ms": round(ms, 3), "calls": calls} for ms, calls in
                                   sorted(self.detail, key=lambda d: -d[0])[:3]]}
@@ -309,6 +329,10 @@ def format_table(r: dict) -> str:
             p = phases[ph]
             lines.append(f"{name:<22} {ph:<6} {p['step_cpu_p50_ms']:>8.3f} {p['step_cpu_p99_ms']:>8.3f} "
                          f"{p['step_cpu_max_ms']:>8.3f} {p['steps_with_gc']:>9} {p['step_gc_max_ms']:>8.3f}")
+    lines.append("for scale, vLLM's own scheduler per step (schedule + update_from_output, connector "
+                 "calls excluded), p50 / p99 ms: " + "; ".join(
+                     f"{ph} {r['phases'][ph]['vllm_scheduler_p50_ms']:.3f} / "
+                     f"{r['phases'][ph]['vllm_scheduler_p99_ms']:.3f}" for ph in ("store", "load")))
     lines.append(f"store phase: {st['steps_per_s']} steps/s (no model forward), {st['stored_blocks_per_s']} "
                  "blocks/s committed by the index thread; blocks the slot pool could not cover "
                  "were dropped, never waited for")

@@ -98,10 +98,10 @@ def layout_from_vllm(vllm_config, kv_cache_config) -> Layout:
     """
     check_parallel_layout(vllm_config.parallel_config)
     groups = kv_cache_config.kv_cache_groups
-    check_kv_cache_groups(groups)
+    group_desc = check_kv_cache_groups(groups)
     spec = groups[0].kv_cache_spec
     from vllm.v1.kv_cache_interface import FullAttentionSpec
-    if not isinstance(spec, FullAttentionSpec):
+    if not group_desc and not isinstance(spec, FullAttentionSpec):
         raise ConfigError(f"kvstore supports full-attention KV caches, not {type(spec).__name__}")
     pc = vllm_config.parallel_config
     cc = vllm_config.cache_config
@@ -127,6 +127,7 @@ def layout_from_vllm(vllm_config, kv_cache_config) -> Layout:
         tp_size=int(pc.tensor_parallel_size),
         hash_algo=str(hash_algo),
         kv_layout=f"pages:{page_format}",
+        groups=group_desc,
     )
 
 
@@ -164,17 +165,34 @@ def check_parallel_layout(parallel_config) -> None:
             "remove the kvstore connector.")
 
 
-def check_kv_cache_groups(groups) -> None:
-    """Refuse a KV cache of several groups (vLLM's hybrid KV cache manager), naming the
-    groups' spec types and, where one exists, the vLLM setting that makes it one group.
+def kv_group_kinds(groups) -> list[tuple[str, int]]:
+    """(kind, tokens a hit needs before its end) per KV cache group: ("full", 0) for full
+    attention (the whole prefix), ("swa", num_retained_tokens) for sliding window."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    out = []
+    for g in groups:
+        spec = g.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            out.append(("swa", int(spec.num_retained_tokens)))
+        else:
+            out.append(("full", 0))
+    return out
 
-    With --disable-hybrid-kv-cache-manager, vLLM 0.33 turns sliding-window and chunked
-    local attention layers into full-attention specs (`_promote_local_kv_cache_specs`,
-    kv_cache_planning.py); when every layer then has the same KV shape they form one
-    FullAttentionSpec group, which kvstore serves. Mamba state has no such fallback.
+
+def check_kv_cache_groups(groups) -> str:
+    """Refuse the KV cache groups kvstore cannot store, naming the groups' spec types and,
+    where one exists, the vLLM setting that helps. Returns the layout's `groups` field:
+    "" for one group (the fingerprint of single-group stores is unchanged), else one
+    entry per group, e.g. "full;swa:4096".
+
+    Served: one full-attention group; or full-attention and sliding-window groups of the
+    same block size, page and layer count (how vLLM 0.33 lays out a hybrid model whose
+    groups overlay one allocation; the worker checks the overlay, `check_groups_alias`).
+    Refused: Mamba state, chunked local attention, anything else. With
+    --disable-hybrid-kv-cache-manager, vLLM 0.33 turns sliding-window and chunked local
+    attention layers into full-attention specs (`_promote_local_kv_cache_specs`,
+    kv_cache_planning.py), which is one group.
     """
-    if len(groups) == 1:
-        return
     if not groups:
         raise ConfigError("kvstore has nothing to store for a model without a KV cache "
                           "(attention-free): remove the kvstore connector for this model.")
@@ -182,29 +200,40 @@ def check_kv_cache_groups(groups) -> None:
         ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec,
     )
     specs = [g.kv_cache_spec for g in groups]
+    if len(groups) == 1:
+        return ""
     names = [type(s).__name__ for s in specs]
     counts = ", ".join(f"{names.count(n)} {n}" for n in dict.fromkeys(names))
-    head = (f"kvstore supports models with one KV cache group, and this model has "
-            f"{len(groups)} ({counts})")
+    head = f"this model has {len(groups)} KV cache groups ({counts})"
     if any(isinstance(s, MambaSpec) for s in specs):
         raise ConfigError(
-            f"{head}. Mamba/hybrid-SSM state is not supported by kvstore yet: remove the "
-            "kvstore connector for this model.")
+            f"kvstore: {head}. Mamba/hybrid-SSM state is not supported by kvstore yet: remove "
+            "the kvstore connector for this model.")
     kinds = {type(s) for s in specs}
-    local = kinds & {SlidingWindowSpec, ChunkedLocalAttentionSpec}
-    # Promoted layers form one FullAttentionSpec group only if their pages are alike.
     shapes = {tuple(getattr(s, f, None) for f in
-                    ("num_kv_heads", "head_size", "head_size_v", "dtype", "kv_quant_mode"))
+                    ("num_kv_heads", "head_size", "head_size_v", "dtype", "kv_quant_mode",
+                     "block_size", "page_size_bytes"))
               for s in specs}
+    layers = {len(g.layer_names) for g in groups}
+    if (FullAttentionSpec in kinds and kinds <= {FullAttentionSpec, SlidingWindowSpec}
+            and len(shapes) == 1 and len(layers) == 1
+            and all(type(s) in (FullAttentionSpec, SlidingWindowSpec) for s in specs)):
+        return ";".join("full" if type(s) is FullAttentionSpec
+                        else f"swa:{int(s.sliding_window)}" for s in specs)
+    local = kinds & {SlidingWindowSpec, ChunkedLocalAttentionSpec}
+    promotable = {tuple(getattr(s, f, None) for f in
+                        ("num_kv_heads", "head_size", "head_size_v", "dtype", "kv_quant_mode"))
+                  for s in specs}
     if (FullAttentionSpec in kinds and len(local) == 1
-            and kinds <= {FullAttentionSpec} | local and len(shapes) == 1):
+            and kinds <= {FullAttentionSpec} | local and len(promotable) == 1):
         kind = "sliding-window" if SlidingWindowSpec in local else "chunked local attention"
         raise ConfigError(
-            f"{head}. Start vLLM with --disable-hybrid-kv-cache-manager: it then serves the "
-            f"{kind} layers as full attention in one group, which kvstore supports (or "
-            "remove the kvstore connector).")
-    raise ConfigError(f"{head}. kvstore does not support these groups yet: remove the "
-                      "kvstore connector for this model.")
+            f"kvstore serves full-attention and sliding-window groups of one block size, page "
+            f"and layer count; {head} differ. Start vLLM with "
+            f"--disable-hybrid-kv-cache-manager: it then serves the {kind} layers as full "
+            "attention in one group, which kvstore supports (or remove the kvstore connector).")
+    raise ConfigError(f"kvstore: {head}. kvstore does not support these groups yet: remove "
+                      "the kvstore connector for this model.")
 
 
 def cache_dtype_name(cache_dtype: str | None, torch_dtype) -> str:

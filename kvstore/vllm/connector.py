@@ -17,11 +17,11 @@ import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorRole, SupportsHMA,
+    KVConnectorBase_V1, KVConnectorRole, KVConnectorTransferResults, SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvstore.vllm.config import ConnectorConfig, layout_from_vllm
+from kvstore.vllm.config import ConnectorConfig, kv_group_kinds, layout_from_vllm
 from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta
 from kvstore.vllm.metrics import KVStorePromMetrics, KVStoreStats
 
@@ -43,7 +43,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             from kvstore.vllm.scheduler import KVStoreScheduler
             kv_events = getattr(vllm_config, "kv_events_config", None)
             events = bool(kv_events and kv_events.enable_kv_cache_events)
-            self.scheduler = KVStoreScheduler(self.cfg, self.layout, vllm_config, events)
+            kinds = kv_group_kinds(kv_cache_config.kv_cache_groups) \
+                if kv_cache_config is not None else None
+            self.scheduler = KVStoreScheduler(self.cfg, self.layout, vllm_config, events,
+                                              group_kinds=kinds)
             log.info("kvstore: serving store %s (%s)", self.cfg.path, self.scheduler.store.stats())
             _warn_load_failure_policy(self._kv_transfer_config)
         self._rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
@@ -93,6 +96,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is None:
             return None, None
         return self.worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished loads and, for a hybrid model, the failed ones among them: vLLM
+        refuses per-block `invalid_block_ids` when there are several KV cache groups."""
+        res = super().get_transfer_results(finished_req_ids)
+        if self.worker is not None:
+            res.failed_recving = self.worker.take_failed_recving() & res.finished_recving
+        return res
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()

@@ -16,10 +16,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 class LoadJob:
     job_id: int
     req_id: str
-    block_ids: list[int]       # GPU blocks to fill, in prefix order
+    block_ids: list[int]       # GPU blocks to fill, in prefix order (groups one after another)
     keys: list[bytes]
     slots: list[int]
     generations: list[int]
+    unavailable: bool = False  # nothing to read: the load fails at once (vLLM recomputes)
 
 
 @dataclass

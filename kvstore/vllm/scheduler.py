@@ -46,10 +46,17 @@ class InflightStore:
 class KVStoreScheduler:
     """Per-engine scheduler-side state of the connector (see module docstring)."""
 
-    def __init__(self, cfg: ConnectorConfig, layout, vllm_config, events_enabled: bool):
+    def __init__(self, cfg: ConnectorConfig, layout, vllm_config, events_enabled: bool,
+                 group_kinds: list[tuple[str, int]] | None = None):
         self.cfg = cfg
         self.layout = layout
         self.block_size = layout.block_size
+        # KV cache groups: (kind, tokens a hit needs before its end) each, "full" or "swa"
+        # (`kv_group_kinds`). One group is the fast path; several (a hybrid model) store
+        # and load every group as vLLM's hybrid coordinator defines a hit.
+        self.group_kinds = group_kinds or _kinds_of_layout(layout)
+        self.hybrid = len(self.group_kinds) > 1
+        self._stored_upto_g: dict[str, list[int]] = {}   # hybrid: per-group store cursor
         self.tp_size = layout.tp_size
         ensure_store(cfg.path, layout, cfg.capacity, io_mode=cfg.io_mode, create=cfg.create)
         self.store = DiskStore(cfg.path, layout, sync=cfg.durability != "none")
@@ -131,6 +138,8 @@ class KVStoreScheduler:
             # Re-entry while the request waits for GPU blocks: the pinned lookup result
             # is still valid (pins keep it from eviction; a block dropped since then
             # fails verification on load and is recomputed), so skip the index walk.
+            if self.hybrid:
+                return (cand[1] - cand[0]) * self.block_size, True
             return len(cand[2]) * self.block_size, True
         self._release_candidate(req_id)
         if getattr(request.sampling_params, "skip_reading_prefix_cache", False) or \
@@ -143,6 +152,8 @@ class KVStoreScheduler:
         end = (request.num_tokens - 1) // bs
         if end <= start:
             return 0, False
+        if self.hybrid:
+            return self._hybrid_lookup(request, start, end)
         try:
             # In C over the in-memory table; pinned: eviction skips them.
             keys, slots, gens = self.index.lookup_hashes(request.block_hashes, start, end)
@@ -160,11 +171,139 @@ class KVStoreScheduler:
         self.index.count_hits(n, 0 if n == min(end, len(request.block_hashes)) - start else 1)
         return n * bs, True
 
+    # -- hybrid models (several KV cache groups) ---------------------------------------
+    def _window_blocks(self, retained: int) -> int:
+        return -(-retained // self.block_size)
+
+    def _group_lo(self, g: int, start: int, end: int) -> int:
+        """First block group g needs for a hit ending at block `end`: the whole prefix
+        after the GPU hit (full attention), or only the window before the end."""
+        kind, retained = self.group_kinds[g]
+        return start if kind == "full" else max(start, end - self._window_blocks(retained))
+
+    def _hybrid_lookup(self, request, start: int, end: int) -> tuple[int, bool]:
+        """vLLM's hybrid hit against the disk: the longest end such that every full-
+        attention group has blocks start..end and every sliding-window group the blocks
+        of its window before end (the GPU hit before `start` covers the rest: vLLM's
+        local hit guarantees the window before it). Then every needed block is pinned."""
+        hashes = request.block_hashes
+        end = min(end, len(hashes))
+        index = self.index
+        try:
+            for g, (kind, _) in enumerate(self.group_kinds):
+                if kind == "full" and end > start:
+                    end = start + len(index.present(hashes, start, end, g).split(b"\0", 1)[0])
+            changed = True
+            while changed and end > start:      # each window can only move the end back
+                changed = False
+                for g, (kind, retained) in enumerate(self.group_kinds):
+                    if kind != "swa" or end <= start:
+                        continue
+                    new_end = _window_end(index.present(hashes, start, end, g), start, end,
+                                          self._window_blocks(retained))
+                    if new_end != end:
+                        end, changed = new_end, True
+            if end <= start:
+                self._stats.add(miss_lookups=1)
+                index.count_hits(0, 1)
+                return 0, False
+            parts, pinned = [], []
+            for g in range(len(self.group_kinds)):
+                lo = self._group_lo(g, start, end)
+                keys, slots, gens = index.lookup_hashes(hashes, lo, end, g)
+                pinned += slots
+                if len(slots) != end - lo:      # evicted meanwhile: a miss this time
+                    index.unpin(pinned)
+                    return 0, False
+                parts.append((g, lo, keys, slots, gens))
+        except Exception as exc:    # never raises into the engine: a miss
+            self._warn_once("lookup", exc)
+            return 0, False
+        self._candidates[request.request_id] = (start, end, pinned, parts)
+        self._stats.add(hit_blocks=end - start)
+        index.count_hits(end - start, 0)
+        return (end - start) * self.block_size, True
+
+    def _hybrid_alloc(self, request, blocks, num_external_tokens: int, cand) -> None:
+        start, end, pinned, parts = cand
+        req_id = request.request_id
+        n = num_external_tokens // self.block_size
+        if n <= 0:
+            self.index.unpin(pinned)
+            return
+        ids = blocks.get_block_ids()
+        block_ids, keys, slots, gens = [], [], [], []
+        ok = start + n == end
+        for g, lo, k, s_, ge in parts if ok else ():
+            got = list(ids[g][lo:end]) if g < len(ids) else []
+            if len(got) != end - lo or 0 in got:    # a null block where data is due
+                ok = False
+                break
+            block_ids += got
+            keys += k
+            slots += s_
+            gens += ge
+        if not ok:
+            # vLLM holds the request for this load (WAITING_FOR_REMOTE_KVS): it fails at
+            # once on the workers and the request recomputes.
+            self.index.unpin(pinned)
+            self._warn_once("load planning", KVStoreError(
+                f"vLLM allocated {n} external blocks of a {end - start}-block hybrid hit"))
+            job = LoadJob(self._job_id(), req_id, [], [], [], [], unavailable=True)
+            self._pending_loads.append(job)
+            self._inflight_loads[req_id] = (job, [])
+            return
+        ups = self._stored_upto_g.setdefault(req_id, [0] * len(self.group_kinds))
+        for g in range(len(ups)):
+            if ups[g] >= self._group_lo(g, start, end):
+                ups[g] = end
+        job = LoadJob(self._job_id(), req_id, block_ids, keys, slots, gens)
+        self._pending_loads.append(job)
+        self._inflight_loads[req_id] = (job, slots)
+        self._stats.add(hit_tokens=n * self.block_size)
+
+    def _plan_eager_hybrid(self, scheduler_output, limit: int, keys: list, bids: list,
+                           origins: list, spans: list) -> None:
+        """_plan_eager for several groups: every group's completed blocks (a sliding-
+        window group's table starts with null blocks once the window has moved on: they
+        are skipped), keyed with the group id."""
+        bs = self.block_size
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            req = self._requests.get(req_id)
+            if req is None or n <= 0:
+                continue
+            done_after = req.num_computed_tokens + n
+            nfull = min(done_after // bs, len(req.block_hashes))
+            ups = self._stored_upto_g.setdefault(req_id, [0] * len(self.group_kinds))
+            tables = self._kv_cache_manager.get_block_ids(req_id)
+            for g in range(len(self.group_kinds)):
+                first = ups[g]
+                if req.num_computed_tokens < first * bs:
+                    first = req.num_computed_tokens // bs
+                ids = tables[g]
+                stop = min(nfull, len(ids))
+                while first < stop and ids[first] == 0:     # null: outside the window
+                    first += 1
+                room = limit - len(keys)
+                if stop <= first or room <= 0:
+                    ups[g] = max(ups[g], first) if room > 0 else ups[g]
+                    continue
+                k, b, idx = self.index.plan_new(req.block_hashes, first, stop, ids,
+                                                self._storing_keys, room, g)
+                spans.append((req_id, len(keys), idx))
+                keys += k
+                bids += b
+                if self.events_enabled:
+                    origins += [self._origin(req, i) for i in idx]
+                ups[g] = idx[-1] + 1 if len(k) == room else stop
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         req_id = request.request_id
         cand = self._candidates.pop(req_id, None)
         if cand is None:
             return
+        if self.hybrid:
+            return self._hybrid_alloc(request, blocks, num_external_tokens, cand)
         start, keys, slots, gens = cand
         n = num_external_tokens // self.block_size
         if n <= 0:
@@ -260,7 +399,10 @@ class KVStoreScheduler:
         origins: list = []
         spans: list = []
         try:
-            if self.cfg.store_policy == "eager":
+            if self.cfg.store_policy == "eager" and self.hybrid:
+                if self._kv_cache_manager is not None:
+                    self._plan_eager_hybrid(scheduler_output, limit, keys, bids, origins, spans)
+            elif self.cfg.store_policy == "eager":
                 self._plan_eager(scheduler_output, limit, keys, bids, origins, spans)
             else:
                 self._plan_lazy(limit, keys, bids)
@@ -275,9 +417,10 @@ class KVStoreScheduler:
             self._warn_once("store planning", exc)
             self._stats.add(store_dropped_blocks=len(keys))
             self._storing_keys.difference_update(keys)
-            for req_id, _, idx in spans:    # planned again next step
-                if idx:
-                    self._stored_upto[req_id] = min(self._stored_upto.get(req_id, 0), idx[0])
+            if not self.hybrid:
+                for req_id, _, idx in spans:    # planned again next step
+                    if idx:
+                        self._stored_upto[req_id] = min(self._stored_upto.get(req_id, 0), idx[0])
             return []
         n = len(slots)
         if n < len(keys):
@@ -317,7 +460,8 @@ class KVStoreScheduler:
                     self._finish_store(job_id, st)
             if wm.bad_keys:
                 self.index.drop(wm.bad_keys)
-        done = set(output.finished_recving or ()) | set(getattr(output, "failed_recving", ()) or ())
+        failed_reqs = set(getattr(output, "failed_recving", ()) or ())
+        done = set(output.finished_recving or ()) | failed_reqs
         invalid = getattr(output, "invalid_block_ids", None)
         if invalid:
             for job, _ in self._inflight_loads.values():
@@ -333,6 +477,10 @@ class KVStoreScheduler:
             # Counted here, once per block: the workers' counts are per rank, and the
             # union of failed blocks over the ranks is only known after aggregation.
             failed = len(self._load_invalid.pop(req_id, ()))
+            if req_id in failed_reqs:   # a hybrid model's load fails as a whole
+                failed = len(job.block_ids)
+                if job.unavailable:
+                    self._load_failed.add(req_id)
             self._stats.add(loaded_blocks=len(job.block_ids) - failed, load_failures=failed)
             if failed:
                 self._load_failed.add(req_id)
@@ -422,6 +570,7 @@ class KVStoreScheduler:
         self._release_candidate(req_id)
         self._requests.pop(req_id, None)
         self._stored_upto.pop(req_id, None)
+        self._stored_upto_g.pop(req_id, None)
         self._load_failed.discard(req_id)
         # Stores copy their blocks out within the step that planned them, and loads keep
         # their blocks through vLLM's own WAITING_FOR_REMOTE_KVS hold, so blocks are
@@ -476,3 +625,29 @@ class KVStoreScheduler:
         finally:
             self._inflight_stores.clear()
             self.store.close()
+
+
+def _kinds_of_layout(layout) -> list[tuple[str, int]]:
+    """Group kinds from the layout's `groups` field ("full;swa:4096"), for a scheduler
+    built without vLLM's KV cache config: a window of W tokens retains W - 1."""
+    if not getattr(layout, "groups", ""):
+        return [("full", 0)]
+    out = []
+    for part in layout.groups.split(";"):
+        kind, _, w = part.partition(":")
+        out.append(("swa", int(w) - 1) if kind == "swa" else ("full", 0))
+    return out
+
+
+def _window_end(flags: bytes, start: int, end: int, window: int) -> int:
+    """The largest e in (start, end] such that the blocks max(start, e - window)..e are
+    all present (flags: one per block start..end-1), or start when there is none."""
+    run = 0
+    runs = [0]
+    for f in flags:
+        run = run + 1 if f else 0
+        runs.append(run)
+    for e in range(end, start, -1):
+        if runs[e - start] >= min(window, e - start):
+            return e
+    return start

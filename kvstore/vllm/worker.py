@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from kvstore.engine import ensure_store
 from kvstore.errors import KVStoreError
 from kvstore.rankio import RankIO, SlotRef
-from kvstore.transfer import KVTransfer
+from kvstore.transfer import KVTransfer, check_groups_alias
 from kvstore.vllm.config import ConnectorConfig
 from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob, StoreReport
 from kvstore.vllm.metrics import KVStoreStats
@@ -58,6 +58,13 @@ class KVStoreWorker:
                          queue_depth=cfg.queue_depth, staging_bytes=cfg.staging_bytes)
         self.transfer = None
         try:
+            # Several KV cache groups (a hybrid model: full + sliding-window attention) alias
+            # one allocation: group g's layer i is the same memory as group 0's layer i,
+            # and a block id belongs to one group at a time, so group 0's transfer copies
+            # any group's block (`check_groups_alias` refuses anything else).
+            self.hybrid = len(kv_cache_config.kv_cache_groups) > 1
+            if self.hybrid:
+                check_groups_alias(kv_caches, kv_cache_config)
             self.transfer = KVTransfer(kv_caches, kv_cache_config, self.io.staging)
             if self.transfer.block_bytes != layout.block_bytes:
                 raise KVStoreError(f"KV cache blocks are {self.transfer.block_bytes} bytes, the "
@@ -76,6 +83,7 @@ class KVStoreWorker:
         self._loads: dict[str, _LoadState] = {}
         self._finished_loads: set[str] = set()
         self._bad_block_ids: set[int] = set()
+        self._failed_reqs: set[str] = set()     # hybrid: whole-request failures
         self._bad_keys: list[bytes] = []
         self._store_reports: dict[int, StoreReport] = {}
         self._stats = KVStoreStats()     # updated and taken under self._lock
@@ -122,6 +130,10 @@ class KVStoreWorker:
             st = _LoadState(job, time.monotonic(), after=self._mark())
             with self._lock:
                 self._loads[job.req_id] = st
+            if job.unavailable:     # the scheduler could not plan it: recompute, no I/O
+                st.io_failed.update(range(len(job.keys)))
+                self._finish_load(st)
+                continue
             self._put(0, ("load", st))
 
     def wait_for_save(self) -> None:
@@ -375,8 +387,12 @@ class KVStoreWorker:
             with self._lock:
                 self._loads.pop(req_id, None)
                 self._finished_loads.add(req_id)
+                if self.hybrid and (st.failed_idx or st.job.unavailable):
+                    # Block ids are per group: vLLM takes whole-request failures only.
+                    self._failed_reqs.add(req_id)
                 for i in sorted(st.failed_idx):
-                    self._bad_block_ids.add(st.job.block_ids[i])
+                    if not self.hybrid:
+                        self._bad_block_ids.add(st.job.block_ids[i])
                     if not st.cancelled and i in st.bad_idx:
                         self._bad_keys.append(st.job.keys[i])
 
@@ -385,6 +401,13 @@ class KVStoreWorker:
         with self._lock:
             done, self._finished_loads = self._finished_loads, set()
         return None, (done or None)
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests whose load failed, for a hybrid model (vLLM then recomputes the whole
+        request); empty with one KV cache group, whose failures are per block."""
+        with self._lock:
+            out, self._failed_reqs = self._failed_reqs, set()
+        return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
