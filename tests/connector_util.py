@@ -100,6 +100,20 @@ def keys_of(h, tokens, salt: str | None = None) -> list[bytes]:
     return [block_key(bh) for bh in req.block_hashes]
 
 
+def flip_payload_byte(store, rank: int, slot: int, byte: int = 100) -> None:
+    """Corrupt one payload byte of a slot on disk, behind the store's back."""
+    from kvstore._slotfile import HEADER_SIZE
+    path = os.path.join(str(store), f"rank{rank}", "slots-0000.kvs")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        off = slot * SLOT + HEADER_SIZE + byte
+        b = os.pread(fd, 1, off)
+        os.pwrite(fd, bytes([b[0] ^ 0x5A]), off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def event_hash(key: bytes):
     """The block hash a KV event carries for a store key (vLLM's int conversion)."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash

@@ -7,14 +7,13 @@ end (null blocks are never stored or loaded). Keys keep their group id.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
 pytest.importorskip("vllm")
 
-from connector_util import (BS, SLOT, conn_stats, drop_gpu_cache, kv_config,  # noqa: E402
-                            kv_harness, loads_ok, open_fds, prompts, sched, settle)
+from connector_util import (BS, conn_stats, drop_gpu_cache, flip_payload_byte,  # noqa: E402
+                            kv_config, kv_harness, loads_ok, open_fds, prompts, sched,
+                            settle)
 
 from kvstore.errors import LayoutMismatch  # noqa: E402
 
@@ -30,19 +29,6 @@ def _keys(h, tokens, group):
     req = Request("probe", list(tokens), SamplingParams(max_tokens=1), None,
                   block_hasher=h._block_hasher)
     return [block_key(bh, group) for bh in req.block_hashes]
-
-
-def _flip_payload_byte(store, slot, byte=100):
-    from kvstore._slotfile import HEADER_SIZE
-    path = os.path.join(str(store), "rank0", "slots-0000.kvs")
-    fd = os.open(path, os.O_RDWR)
-    try:
-        off = slot * SLOT + HEADER_SIZE + byte
-        b = os.pread(fd, 1, off)
-        os.pwrite(fd, bytes([b[0] ^ 0x5A]), off)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def test_two_groups_round_trip_through_a_restart(tmp_path):
@@ -109,7 +95,7 @@ def test_a_corrupt_slot_fails_the_whole_request_through_failed_recving(tmp_path)
         settle(h)
         full = _keys(h, p, 0)
         entry = sched(h).store.lookup(full[3])
-        _flip_payload_byte(store, entry.slot)
+        flip_payload_byte(store, 0, entry.slot)
         drop_gpu_cache(h)
         before = dict(h.stats)
         s = h.run([p], max_tokens=2)

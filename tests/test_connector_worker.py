@@ -5,29 +5,14 @@ store is in flight, staging memory pressure. Faults come from the Ring's
 `fault_injector` seam. Every test ends with the leak checks of `kv_harness`.
 """
 import errno
-import os
 import time
 
 import pytest
 
 from connector_util import (
     BS, SLOT, Gate, conn_stats, drop_gpu_cache, event_hash, keys_of, kv_harness, loads_ok,
-    prompts, sched, set_injector, settle, workers,
+    flip_payload_byte, prompts, sched, set_injector, settle, workers,
 )
-
-
-def _flip_payload_byte(store, rank, slot, byte=100):
-    """Corrupt one payload byte of a slot on disk, behind the store's back."""
-    from kvstore._slotfile import HEADER_SIZE
-    path = os.path.join(str(store), f"rank{rank}", "slots-0000.kvs")
-    fd = os.open(path, os.O_RDWR)
-    try:
-        off = slot * SLOT + HEADER_SIZE + byte
-        b = os.pread(fd, 1, off)
-        os.pwrite(fd, bytes([b[0] ^ 0x5A]), off)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _stored(h, ps, **kw):
@@ -48,7 +33,7 @@ def test_corrupted_slot_is_recomputed_and_dropped(tmp_path, rank):
         _stored(h, ps, max_tokens=1)
         keys = keys_of(h, ps[0])
         bad = sched(h).store.lookup(keys[2])
-        _flip_payload_byte(store, rank, bad.slot)
+        flip_payload_byte(store, rank, bad.slot)
         before = dict(h.stats)
         st = h.run(ps, max_tokens=2)
         # Blocks 0-1 of prompt 0 and all of prompt 1 load; block 2 of prompt 0 fails
