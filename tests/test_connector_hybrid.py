@@ -137,3 +137,54 @@ def test_preemption_under_gpu_pressure_keeps_tokens_right(tmp_path):
         s = h.run(ps, max_tokens=24)
         loads_ok(s)
         assert s["blocks_mismatched"] == 0
+
+
+def test_abort_while_a_hybrid_load_is_in_flight(tmp_path):
+    """Loads of both groups held at the disk; two of three requests aborted meanwhile:
+    every pin stays until the worker reports, then goes; the third request is served
+    from disk, byte-verified."""
+    from connector_util import Gate, set_injector
+    store = tmp_path / "store"
+    ps = prompts(76, 3, 100)                 # 6 full blocks: 6 + 2 window blocks each
+    with kv_harness(store, **HYB) as h:
+        h.run(ps, max_tokens=1)
+        settle(h)
+        drop_gpu_cache(h)
+        gate = Gate("read")
+        set_injector(h, gate)
+        rids = [h.add_request(p, max_tokens=4) for p in ps]
+        h.step()
+        s = sched(h)
+        assert set(s._inflight_loads) == set(rids)
+        assert s.index.pinned_slots == 3 * (6 + WINDOW // BS)
+        h.abort(rids[:2])
+        for _ in range(5):
+            h.step()
+        assert s.index.pinned_slots == 3 * (6 + WINDOW // BS)
+        gate.wait_hit()
+        gate.open()
+        h.drain()
+        set_injector(h, None)
+        assert s.index.pinned_slots == 0
+        assert rids[2] in h.finished and rids[0] not in h.finished
+        assert h.stats["blocks_mismatched"] == 0 and h.stats["failed_recving"] == 0
+
+
+def test_a_stalled_hybrid_load_times_out_and_recomputes(tmp_path):
+    from connector_util import Gate, set_injector
+    store = tmp_path / "store"
+    p = prompts(77, 1, 100)[0]
+    with kv_harness(store, extra={"load_timeout_s": 0.5}, **HYB) as h:
+        h.run([p], max_tokens=1)
+        settle(h)
+        drop_gpu_cache(h)
+        gate = Gate("read")
+        set_injector(h, gate)
+        before = dict(h.stats)
+        rid = h.add_request(p, max_tokens=2)
+        h.drain(timeout_s=30)
+        assert rid in h.finished
+        assert h.stats["failed_recving"] - before["failed_recving"] == 1
+        assert h.stats["blocks_mismatched"] == 0
+        gate.open()
+        set_injector(h, None)
