@@ -60,7 +60,7 @@ class Layout:
     dtype: str
     block_size: int          # tokens per vLLM block
     block_bytes: int         # payload bytes of one block, one rank, all layers
-    num_layers: int
+    num_layers: int          # layers (of one KV cache group, for a hybrid model)
     num_kv_heads: int
     head_dim: int
     tp_size: int = 1

@@ -188,3 +188,17 @@ def test_a_stalled_hybrid_load_times_out_and_recomputes(tmp_path):
         assert h.stats["blocks_mismatched"] == 0
         gate.open()
         set_injector(h, None)
+
+
+def test_info_and_fsck_name_the_groups_of_a_hybrid_store(tmp_path):
+    from kvstore.tools import info
+    from kvstore.tools.fsck import fsck
+    store = tmp_path / "store"
+    with kv_harness(store, **HYB) as h:
+        h.run(prompts(78, 1, 70), max_tokens=1)
+        settle(h)
+    got = info.gather(str(store))
+    assert got["layout"]["groups"] == f"full;swa:{WINDOW}"
+    assert f"groups=full;swa:{WINDOW}" in info.format_text(got)
+    rep = fsck(str(store), deep=True)        # both groups' slots verify offline
+    assert rep.exit_code == 0 and not rep.findings, rep.to_json()

@@ -130,7 +130,8 @@ def format_text(info: dict) -> str:
                  f"model={L['model']} dtype={L['dtype']} block_size={L['block_size']} tokens "
                  f"block_bytes={format_size(L['block_bytes'])}/rank layers={L['num_layers']} "
                  f"kv_heads={L['num_kv_heads']} head_dim={L['head_dim']} tp_size={L['tp_size']} "
-                 f"hash={L['hash_algo']}" + (f" kv_layout={L['kv_layout']}" if L.get("kv_layout") else "")))
+                 f"hash={L['hash_algo']}" + (f" kv_layout={L['kv_layout']}" if L.get("kv_layout") else "")
+                 + (f" groups={L['groups']}" if L.get("groups") else "")))
     created = info.get("created_at")
     when = (datetime.datetime.fromtimestamp(created).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
             if isinstance(created, int) else "?")
