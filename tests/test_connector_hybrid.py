@@ -202,3 +202,27 @@ def test_info_and_fsck_name_the_groups_of_a_hybrid_store(tmp_path):
     assert f"groups=full;swa:{WINDOW}" in info.format_text(got)
     rep = fsck(str(store), deep=True)        # both groups' slots verify offline
     assert rep.exit_code == 0 and not rep.findings, rep.to_json()
+
+
+def test_a_hybrid_lookup_that_fails_midway_leaves_no_pin(tmp_path, monkeypatch):
+    """Group 0's blocks are pinned, then group 1's lookup raises: a miss, nothing pinned."""
+    from kvstore.errors import KVStoreError
+    store = tmp_path / "store"
+    p = prompts(79, 1, 140)[0]
+    with kv_harness(store, **HYB) as h:
+        h.run([p], max_tokens=1)
+        settle(h)
+        drop_gpu_cache(h)
+        ix = sched(h).index
+        orig = ix.lookup_hashes
+
+        def flaky(hashes, lo, end, group=0):
+            if group == 1:
+                raise KVStoreError("injected")
+            return orig(hashes, lo, end, group)
+        monkeypatch.setattr(ix, "lookup_hashes", flaky)
+        before = dict(h.stats)
+        s = h.run([p], max_tokens=1)
+        assert s["external_hit_tokens"] == before["external_hit_tokens"]
+        assert ix.pinned_slots == 0 and s["blocks_mismatched"] == 0
+        monkeypatch.undo()

@@ -189,6 +189,7 @@ class KVStoreScheduler:
         hashes = request.block_hashes
         end = min(end, len(hashes))
         index = self.index
+        pinned: list[int] = []
         try:
             for g, (kind, _) in enumerate(self.group_kinds):
                 if kind == "full" and end > start:
@@ -213,10 +214,17 @@ class KVStoreScheduler:
                 keys, slots, gens = index.lookup_hashes(hashes, lo, end, g)
                 pinned += slots
                 if len(slots) != end - lo:      # evicted meanwhile: a miss this time
-                    index.unpin(pinned)
-                    return 0, False
+                    end = start
+                    break
                 parts.append((g, lo, keys, slots, gens))
+            if end <= start:
+                index.unpin(pinned)
+                self._stats.add(miss_lookups=1)
+                index.count_hits(0, 1)
+                return 0, False
         except Exception as exc:    # never raises into the engine: a miss
+            if pinned:
+                index.unpin(pinned)
             self._warn_once("lookup", exc)
             return 0, False
         self._candidates[request.request_id] = (start, end, pinned, parts)
