@@ -81,6 +81,9 @@ class Layout:
                 raise ConfigError(f"layout field {name} must be a non-negative integer, got {v!r}")
         if not isinstance(self.model, str) or not isinstance(self.dtype, str):
             raise ConfigError("layout fields model and dtype must be strings")
+        if not isinstance(self.groups, str):
+            raise ConfigError(f"layout field groups must be a string like \"full;swa:4096\", "
+                              f"got {self.groups!r}")
 
     @property
     def slot_size(self) -> int:

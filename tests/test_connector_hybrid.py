@@ -31,6 +31,14 @@ def _keys(h, tokens, group):
     return [block_key(bh, group) for bh in req.block_hashes]
 
 
+def _replay(h, ps, **kw):
+    """Empty vLLM's GPU prefix cache, run `ps` again: (stats, tokens hit on disk by it)."""
+    drop_gpu_cache(h)
+    before = h.stats["external_hit_tokens"]
+    s = h.run(ps, **kw)
+    return s, s["external_hit_tokens"] - before
+
+
 def test_two_groups_round_trip_through_a_restart(tmp_path):
     store = tmp_path / "store"
     ps = prompts(71, 3, 140)                 # 8 full blocks each, 140 tokens
@@ -42,12 +50,11 @@ def test_two_groups_round_trip_through_a_restart(tmp_path):
         for p in ps:                         # every group's completed blocks are stored
             for g in (0, 1):
                 assert all(st.lookup(k) is not None for k in _keys(h, p, g)), g
-        drop_gpu_cache(h)
-        before = dict(h.stats)
-        s = h.run(ps, max_tokens=2)
+        failed_before = h.stats["failed_recving"]
+        s, hit = _replay(h, ps, max_tokens=2)
         loads_ok(s)
-        assert s["external_hit_tokens"] - before["external_hit_tokens"] == 3 * 8 * BS
-        assert s["failed_recving"] == before["failed_recving"]
+        assert hit == 3 * 8 * BS
+        assert s["failed_recving"] == failed_before
     with kv_harness(store, **HYB) as h:      # restart: the GPU cache is empty
         s = h.run(ps, max_tokens=2)
         loads_ok(s)
@@ -69,19 +76,15 @@ def test_a_hit_ends_where_the_window_is_on_disk(tmp_path):
         sw = _keys(h, p, 1)
         sched(h).index.drop(sw[5:8])
         sched(h).index.flush()
-        drop_gpu_cache(h)
-        before = dict(h.stats)
-        s = h.run([p], max_tokens=1)
+        s, hit = _replay(h, [p], max_tokens=1)
         loads_ok(s)
-        assert s["external_hit_tokens"] - before["external_hit_tokens"] == 5 * BS
+        assert hit == 5 * BS
         settle(h)
         # The recomputed blocks were stored again: the next pass hits all 8.
         assert all(sched(h).store.lookup(k) is not None for k in sw)
-        drop_gpu_cache(h)
-        before = dict(h.stats)
-        s = h.run([p], max_tokens=1)
+        s, hit = _replay(h, [p], max_tokens=1)
         loads_ok(s)
-        assert s["external_hit_tokens"] - before["external_hit_tokens"] == 8 * BS
+        assert hit == 8 * BS
 
 
 def test_a_corrupt_slot_fails_the_whole_request_through_failed_recving(tmp_path):
@@ -105,10 +108,8 @@ def test_a_corrupt_slot_fails_the_whole_request_through_failed_recving(tmp_path)
         settle(h)
         assert conn_stats(h)["load_failures"] > 0
         # The bad block is recomputed and stored again; a later pass loads it cleanly.
-        drop_gpu_cache(h)
-        before = dict(h.stats)
-        s = h.run([p], max_tokens=1)
-        assert s["external_hit_tokens"] - before["external_hit_tokens"] in (0, 8 * BS)
+        s, hit = _replay(h, [p], max_tokens=1)
+        assert hit in (0, 8 * BS)
         assert s["blocks_mismatched"] == 0
 
 
@@ -133,8 +134,7 @@ def test_preemption_under_gpu_pressure_keeps_tokens_right(tmp_path):
     with kv_harness(store, num_gpu_blocks=48, **HYB) as h:
         h.run(ps, max_tokens=24)
         settle(h)
-        drop_gpu_cache(h)
-        s = h.run(ps, max_tokens=24)
+        s, _ = _replay(h, ps, max_tokens=24)
         loads_ok(s)
         assert s["blocks_mismatched"] == 0
 

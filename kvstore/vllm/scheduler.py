@@ -171,6 +171,12 @@ class KVStoreScheduler:
         self.index.count_hits(n, 0 if n == min(end, len(request.block_hashes)) - start else 1)
         return n * bs, True
 
+    def _queue_load(self, job: LoadJob, pinned: list[int]) -> None:
+        """Send `job` to the workers with this step's metadata; its slots stay pinned
+        until vLLM reports the request's load finished."""
+        self._pending_loads.append(job)
+        self._inflight_loads[job.req_id] = (job, pinned)
+
     # -- hybrid models (several KV cache groups) ---------------------------------------
     def _window_blocks(self, retained: int) -> int:
         return -(-retained // self.block_size)
@@ -257,17 +263,13 @@ class KVStoreScheduler:
             self.index.unpin(pinned)
             self._warn_once("load planning", KVStoreError(
                 f"vLLM allocated {n} external blocks of a {end - start}-block hybrid hit"))
-            job = LoadJob(self._job_id(), req_id, [], [], [], [], unavailable=True)
-            self._pending_loads.append(job)
-            self._inflight_loads[req_id] = (job, [])
+            self._queue_load(LoadJob(self._job_id(), req_id, [], [], [], [], unavailable=True), [])
             return
         ups = self._stored_upto_g.setdefault(req_id, [0] * len(self.group_kinds))
         for g in range(len(ups)):
             if ups[g] >= self._group_lo(g, start, end):
                 ups[g] = end
-        job = LoadJob(self._job_id(), req_id, block_ids, keys, slots, gens)
-        self._pending_loads.append(job)
-        self._inflight_loads[req_id] = (job, slots)
+        self._queue_load(LoadJob(self._job_id(), req_id, block_ids, keys, slots, gens), slots)
         self._stats.add(hit_tokens=n * self.block_size)
 
     def _plan_eager_hybrid(self, scheduler_output, limit: int, keys: list, bids: list,
@@ -328,9 +330,7 @@ class KVStoreScheduler:
         # prefix hit before them (blocks 0..start), which may have left the disk.
         if self._stored_upto.get(req_id, 0) >= start:
             self._stored_upto[req_id] = start + n
-        job = LoadJob(self._job_id(), req_id, block_ids, keys, slots, gens)
-        self._pending_loads.append(job)
-        self._inflight_loads[req_id] = (job, slots)
+        self._queue_load(LoadJob(self._job_id(), req_id, block_ids, keys, slots, gens), slots)
         self._stats.add(hit_tokens=n * self.block_size)
 
     # -- stores ----------------------------------------------------------------------
