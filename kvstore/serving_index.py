@@ -62,6 +62,16 @@ class IndexEvent:
     what: str = ""
 
 
+def _split_failed(keys, slots, gens, failed) -> tuple[list[tuple], list[tuple]]:
+    """(good, bad) (key, slot, generation) items of parallel lists; `failed` holds the
+    indices of the bad ones."""
+    items = list(zip(keys, slots, gens))
+    if not failed:
+        return items, []
+    return ([x for i, x in enumerate(items) if i not in failed],
+            [x for i, x in enumerate(items) if i in failed])
+
+
 class ServingIndex:
     """See the module docstring. Methods without a leading underscore are for the step
     thread; `_run` and the helpers it calls run on the index thread."""
@@ -156,8 +166,7 @@ class ServingIndex:
     def present(self, hashes: list, start: int, stop: int, group: int = 0) -> bytes:
         """A flag per block start..stop: its key is stored (not pinned; see lookup_hashes)."""
         if not self._ready:
-            return bytes(self.index.lookup(block_key(h, group)) is not None
-                         for h in hashes[max(0, start):stop])
+            return self._present_lmdb(hashes, start, stop, group)
         with self._lock:
             return self._table.present(hashes, start, stop, group)
 
@@ -170,7 +179,11 @@ class ServingIndex:
         with self._lock:
             return self._table.plan_new(hashes, start, stop, block_ids, skip, limit, group)
 
-    # The same two walks over LMDB (while the table is built; the synchronous baseline).
+    # The same walks over LMDB (while the table is built; the synchronous baseline).
+    def _present_lmdb(self, hashes, start, stop, group):
+        return bytes(self.index.lookup(block_key(h, group)) is not None
+                     for h in hashes[max(0, start):stop])
+
     def _lookup_hashes_lmdb(self, hashes, start, stop, group):
         keys = [block_key(h, group) for h in hashes[max(0, start):stop]]
         slots, gens = self.lookup_pin(keys)
@@ -371,14 +384,7 @@ class ServingIndex:
                     if kind == "commit":
                         self._commit(op[1], op[2], op[3])
                     elif kind == "commit_blocks":
-                        items = list(zip(op[1], op[2], op[3]))
-                        failed = op[4]
-                        if failed:
-                            good = [x for i, x in enumerate(items) if i not in failed]
-                            bad = [x for i, x in enumerate(items) if i in failed]
-                        else:
-                            good, bad = items, []
-                        self._commit(good, bad, op[5])
+                        self._commit(*_split_failed(op[1], op[2], op[3], op[4]), op[5])
                     elif kind == "abort":
                         self.index.abort(op[1])
                     elif kind == "drop":
@@ -578,8 +584,7 @@ class SyncServingIndex(ServingIndex):
         return self._lookup_hashes_lmdb(hashes, start, stop, group)
 
     def present(self, hashes, start, stop, group=0):
-        return bytes(self.index.lookup(block_key(h, group)) is not None
-                     for h in hashes[max(0, start):stop])
+        return self._present_lmdb(hashes, start, stop, group)
 
     def plan_new(self, hashes, start, stop, block_ids, skip, limit, group=0):
         return self._plan_new_lmdb(hashes, start, stop, block_ids, skip, limit, group)
@@ -598,9 +603,7 @@ class SyncServingIndex(ServingIndex):
         self._commit(list(good), list(bad), tag)
 
     def commit_blocks(self, keys, slots, gens, failed=(), tag=None):
-        items = list(zip(keys, slots, gens))
-        self.commit([x for i, x in enumerate(items) if i not in failed],
-                    [x for i, x in enumerate(items) if i in failed], tag)
+        self.commit(*_split_failed(keys, slots, gens, failed), tag)
 
     def _retry_abort(self, items):
         try:
