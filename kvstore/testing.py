@@ -28,6 +28,12 @@ groups' tensors alias one allocation and vLLM's ``HybridKVCacheCoordinator``
 schedules them. Each layer is written and verified through its own group's block
 table; sliding-window layers are verified only inside the window vLLM keeps
 (positions ``>= num_computed_tokens - num_retained_tokens``).
+
+With ``mamba=True`` a Mamba group joins them (three groups with ``sliding_window``):
+vLLM's ``MambaSpec`` in "align" mode, a ``[num_blocks, 1, 1, state_bytes]`` int8 view
+on a page padded to the attention page. Its fake state is a pure function of (hash of
+the prefix, layer, rank) written into the state block of the step's last position, and
+a request that starts from a hit is checked on the state block at the hit's end.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ __all__ = [
     "write_model_dir",
     "EngineHarness",
     "expected_token_bytes",
+    "expected_state_bytes",
     "prefix_hashes",
     "HarnessError",
 ]
@@ -157,6 +164,18 @@ def expected_token_bytes(
     return words.view(np.uint8).reshape(len(hashes), nwords * 8)[:, :nbytes]
 
 
+_STATE_POSITION = 1 << 62  # salts a Mamba state apart from any token's KV
+
+
+def expected_state_bytes(prefix_hash: int, layer: int, rank: int, nbytes: int) -> np.ndarray:
+    """uint8 array ``[nbytes]``: the fake Mamba state of a Mamba ``layer`` on ``rank``
+    after the prefix whose last token has hash ``prefix_hash``. Pure function of its
+    arguments (a real SSM state is a function of the prefix too)."""
+    return expected_token_bytes(
+        np.asarray([prefix_hash], dtype=np.uint64),
+        np.asarray([_STATE_POSITION], dtype=np.uint64), layer, rank, nbytes)[0]
+
+
 # --------------------------------------------------------------------------
 # harness
 # --------------------------------------------------------------------------
@@ -204,6 +223,13 @@ class EngineHarness:
             the first half of the layers, group 1 SlidingWindowSpec(sliding_window)
             over the second half (num_layers must be even, >= 2), both with
             ``block_size``, planned with vLLM's hybrid KV cache manager enabled.
+        mamba: add a Mamba group (vLLM's ``MambaSpec`` in ``mamba_cache_mode``
+            "align", states padded to the attention page): the layers split in equal
+            parts, full attention first, then sliding window (if set), then Mamba.
+            The fake forward writes, after each step, the state of the prefix's last
+            token into the block of that position; a request starting from a hit is
+            verified on the state block at its hit's end.
+        mamba_cache_mode: the cache config's (and MambaSpec's) mode with ``mamba``.
     """
 
     def __init__(
@@ -230,6 +256,8 @@ class EngineHarness:
         hash_algo: str = "sha256",
         verify: bool = True,
         sliding_window: int | None = None,
+        mamba: bool = False,
+        mamba_cache_mode: str = "align",
     ):
         from vllm.config import (
             CacheConfig,
@@ -275,13 +303,23 @@ class EngineHarness:
             if isinstance(sliding_window, bool) or int(sliding_window) != sliding_window \
                     or sliding_window < 1:
                 raise ValueError(f"sliding_window must be a positive int, got {sliding_window!r}")
-            if self.num_layers < 2 or self.num_layers % 2:
+            sliding_window = int(sliding_window)
+        self.sliding_window = sliding_window
+        self.mamba = bool(mamba)
+        #: kind of each KV cache group: "full", then "swa" and/or "mamba"
+        self.group_kinds = ["full"] + (["swa"] if sliding_window is not None else []) \
+            + (["mamba"] if self.mamba else [])
+        k = len(self.group_kinds)
+        if k > 1 and (self.num_layers < k or self.num_layers % k):
+            if k == 2 and not self.mamba:
                 raise ValueError(
                     "sliding_window needs an even num_layers >= 2 (half full attention, "
                     f"half sliding window); the model has {self.num_layers}"
                 )
-            sliding_window = int(sliding_window)
-        self.sliding_window = sliding_window
+            raise ValueError(
+                f"{'+'.join(self.group_kinds)} needs num_layers a multiple of {k} (one "
+                f"{k}th of the layers per KV cache group); the model has {self.num_layers}"
+            )
 
         model_config = ModelConfig(
             model=model_dir,
@@ -330,11 +368,16 @@ class EngineHarness:
         vllm_config.cache_config.num_gpu_blocks_override = num_gpu_blocks
         vllm_config.parallel_config.tensor_parallel_size = tp_size
         vllm_config.parallel_config.world_size = tp_size
-        if sliding_window is not None:
+        if k > 1:
             # VllmConfig turns the hybrid KV cache manager off on platforms that do not
             # support it (CPU) and refuses an explicit False at construction; on a GPU
             # it stays on for a hybrid model. Enable it as a GPU engine would have it.
             vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        if self.mamba:
+            # What vLLM's MambaModelConfig sets for a Mamba model with prefix caching:
+            # states cached at block boundaries ("align"), Mamba blocks of block_size.
+            vllm_config.cache_config.mamba_cache_mode = mamba_cache_mode
+            vllm_config.cache_config.mamba_block_size = block_size
         self.vllm_config = vllm_config
 
         self.kv_cache_config = self._build_kv_cache_config()
@@ -407,7 +450,7 @@ class EngineHarness:
         self.layer_names = [
             f"model.layers.{i}.self_attn.attn" for i in range(self.num_layers)
         ]
-        if self.sliding_window is not None:
+        if len(self.group_kinds) > 1:
             return self._build_hybrid_kv_cache_config(spec)
         groups = [KVCacheGroupSpec(list(self.layer_names), spec)]
         available = spec.page_size_bytes * self.num_layers * self.num_gpu_blocks
@@ -418,11 +461,29 @@ class EngineHarness:
         self._set_group_info(cfg)
         return cfg
 
+    def _mamba_spec(self, full_spec):
+        """A Mamba2-like state per layer and rank (a conv state and an SSM state, fp16,
+        split over the TP ranks like vLLM shards them), its page padded to the attention
+        page as vLLM's HybridAttentionMambaModelConfig pads it."""
+        import torch
+
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        tp = self.tp_size
+        return MambaSpec(
+            block_size=full_spec.block_size,
+            shapes=((3, 64 // tp), (2, 16, 16 // tp)),
+            dtypes=(torch.float16, torch.float16),
+            page_size_padded=full_spec.page_size_bytes,
+            mamba_cache_mode=self.vllm_config.cache_config.mamba_cache_mode,
+        )
+
     def _build_hybrid_kv_cache_config(self, full_spec):
-        """Full attention over the first half of the layers, sliding window over the
-        second half, grouped and planned by vLLM's own planner (as the engine core does
-        for a hybrid model with the hybrid KV cache manager on): one KVCacheTensor per
-        group, all aliasing one allocation from byte 0."""
+        """Full attention over the first part of the layers, then sliding window and/or
+        Mamba over equal parts (``group_kinds``), grouped and planned by vLLM's own
+        planner (as the engine core does for a hybrid model with the hybrid KV cache
+        manager on): one KVCacheTensor per group, all aliasing one allocation from
+        byte 0."""
         from vllm.v1.core.kv_cache_planning import (
             get_kv_cache_config_from_groups,
             get_kv_cache_groups,
@@ -431,25 +492,28 @@ class EngineHarness:
             resolve_cache_hit_alignment_tokens,
             resolve_kv_cache_block_sizes,
         )
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
         assert not self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
-        swa_spec = SlidingWindowSpec(
-            block_size=full_spec.block_size,
-            num_kv_heads=full_spec.num_kv_heads,
-            head_size=full_spec.head_size,
-            dtype=full_spec.dtype,
-            sliding_window=self.sliding_window,
-        )
-        half = self.num_layers // 2
-        per_layer = {
-            name: (full_spec if i < half else swa_spec)
-            for i, name in enumerate(self.layer_names)
-        }
+        specs = {"full": full_spec}
+        if "swa" in self.group_kinds:
+            specs["swa"] = SlidingWindowSpec(
+                block_size=full_spec.block_size,
+                num_kv_heads=full_spec.num_kv_heads,
+                head_size=full_spec.head_size,
+                dtype=full_spec.dtype,
+                sliding_window=self.sliding_window,
+            )
+        if self.mamba:
+            specs["mamba"] = self._mamba_spec(full_spec)
+        per = self.num_layers // len(self.group_kinds)
+        part = [self.layer_names[i * per:(i + 1) * per] for i in range(len(self.group_kinds))]
+        per_layer = {name: specs[kind] for kind, names in zip(self.group_kinds, part)
+                     for name in names}
         groups = get_kv_cache_groups(self.vllm_config, per_layer)
         got = [(type(g.kv_cache_spec), list(g.layer_names)) for g in groups]
-        want = [(FullAttentionSpec, self.layer_names[:half]),
-                (SlidingWindowSpec, self.layer_names[half:])]
+        cls = {"full": FullAttentionSpec, "swa": SlidingWindowSpec, "mamba": MambaSpec}
+        want = [(cls[kind], names) for kind, names in zip(self.group_kinds, part)]
         if got != want:  # pragma: no cover - a vLLM planner change
             raise HarnessError(f"vLLM grouped the hybrid model unexpectedly: {got}")
         per_block = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
@@ -472,7 +536,7 @@ class EngineHarness:
         return cfg
 
     def _set_group_info(self, cfg) -> None:
-        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
         self.group_specs = [g.kv_cache_spec for g in cfg.kv_cache_groups]
         self.num_groups = len(self.group_specs)
@@ -489,6 +553,11 @@ class EngineHarness:
             s.num_retained_tokens if isinstance(s, SlidingWindowSpec) else None
             for s in self.group_specs
         ]
+        #: whether each group is a Mamba group (one state block per request position)
+        self.group_is_mamba = [isinstance(s, MambaSpec) for s in self.group_specs]
+        #: bytes of one Mamba state (one layer, one rank): what a Mamba block holds
+        self.mamba_state_bytes = next(
+            (s.real_page_size_bytes for s in self.group_specs if isinstance(s, MambaSpec)), 0)
         self._hybrid = self.num_groups > 1
 
     def _build_scheduler(self, hash_algo: str):
@@ -701,7 +770,45 @@ class EngineHarness:
         )
         st = self._req_state[req_id]
         for g in range(self.num_groups):
-            self._verify_group(req_id, st, g, num_computed, hashes)
+            if self.group_is_mamba[g]:
+                self._verify_state(req_id, st, g, num_computed, hashes)
+            else:
+                self._verify_group(req_id, st, g, num_computed, hashes)
+
+    def _verify_state(self, req_id: str, st: _ReqState, g: int, num_computed: int,
+                      hashes: np.ndarray) -> None:
+        """Check a Mamba group: the one state block a request starts from (the block
+        of position ``num_computed - 1``) must hold the state after exactly
+        ``num_computed`` tokens on every Mamba layer and rank. A null block there counts
+        as mismatched; the other blocks of the table are not read by the model."""
+        bs = self.block_size
+        i = (num_computed + bs - 1) // bs - 1
+        table = st.tables[g]
+        bid = table[i] if i < len(table) else 0
+        h = int(hashes[num_computed - 1])
+        bad = bid == 0
+        if bad and len(self.mismatches) < 16:
+            self.mismatches.append(dict(req_id=req_id, group=g, rank=None, layer=None,
+                                        position=num_computed, block_id=0, null=True))
+        for rk in self.ranks if bid else ():
+            for li in self.group_layers[g]:
+                got = rk.byte_views[li][bid, 0, 0, :].numpy()
+                exp = expected_state_bytes(h, li, rk.rank, self.mamba_state_bytes)
+                if (got != exp).any():
+                    if not bad and len(self.mismatches) < 16:
+                        self.mismatches.append(dict(req_id=req_id, group=g, rank=rk.rank,
+                                                    layer=li, position=num_computed,
+                                                    block_id=bid, state=True))
+                    bad = True
+        if bid:
+            key = (h, num_computed - i * bs, g)
+            owner = self._block_owner.get(bid)
+            if owner is None or owner != key:
+                self.stats["blocks_loaded"] += 1
+            if not bad:
+                self._block_owner[bid] = key
+        self.stats["blocks_verified"] += 1
+        self.stats["blocks_mismatched"] += int(bad)
 
     def _verify_group(self, req_id: str, st: _ReqState, g: int, num_computed: int,
                       hashes: np.ndarray) -> None:
@@ -775,6 +882,15 @@ class EngineHarness:
             if rk.connector is not None:
                 rk.connector.wait_for_layer_load(name)
             bv = rk.byte_views[li]
+            if self.group_is_mamba[self.layer_groups[li]]:
+                for bid, hsh, _ in writes[self.layer_groups[li]]:
+                    exp = expected_state_bytes(hsh, li, rk.rank, self.mamba_state_bytes)
+                    bv[bid, 0, 0, :] = torch.from_numpy(exp)
+                if rk.connector is not None:
+                    rk.connector.save_kv_layer(
+                        name, rk.kv_caches[name], rk.forward_context.attn_metadata[name]
+                    )
+                continue
             for pos, bidx, off, hashes in writes[self.layer_groups[li]]:
                 exp = expected_token_bytes(hashes, pos, li, rk.rank, self.token_bytes)
                 val = torch.from_numpy(exp).reshape(len(pos), bv.shape[1], bv.shape[3])
@@ -808,6 +924,15 @@ class EngineHarness:
             h = self._hashes_for(req_id, tokens, end)
             hs = np.asarray(h[start:end], dtype=np.uint64)
             for g in range(self.num_groups):
+                if self.group_is_mamba[g]:
+                    # The state after this step's last token, in the block of that
+                    # position (align mode: vLLM ends prefill chunks at block
+                    # boundaries, so block i keeps the state after (i+1)*block_size).
+                    i = (end + self.block_size - 1) // self.block_size - 1
+                    if n > 0 and i < len(st.tables[g]) and st.tables[g][i] != 0:
+                        writes[g].append((st.tables[g][i], int(h[end - 1]),
+                                          end - i * self.block_size))
+                    continue
                 pos, bidx, off = self._slots(st.tables[g], start, end)
                 if self._hybrid:
                     keep = bidx != 0  # null block: outside the window, not written
@@ -838,6 +963,10 @@ class EngineHarness:
         for rk in self.ranks:
             self._forward_write(rk, writes)
         for g, group_writes in enumerate(writes):
+            if self.group_is_mamba[g]:
+                for bid, hsh, ntok in group_writes:
+                    self._block_owner[bid] = (hsh, ntok, g)
+                continue
             for pos, bidx, off, hashes in group_writes:
                 self._record_owner(bidx, off, hashes, g)
         # Verify the prefix every newly scheduled request starts from. After

@@ -79,7 +79,9 @@ def check_copyable(kv_cache_config, group_ids: Sequence[int] = (0,)) -> None:
                 "(LBNHC/LBHNC) or block-major (BLNHC/BLHNC) layout: set "
                 "VLLM_KV_CACHE_LAYOUT=LBNHC.")
         padded = getattr(spec, "page_size_padded", None)
-        if padded is not None and int(padded) != _page_bytes(spec):
+        if padded is not None and int(padded) != _page_bytes(spec) and not _is_mamba(spec):
+            # (A Mamba state is the head of its padded page: kv_regions copies its real
+            # bytes and checks that the view steps by the padded block stride.)
             raise ConfigError(
                 f"kvstore cannot store this model's KV cache: its pages are padded from "
                 f"{_page_bytes(spec)} to {padded} bytes (a hybrid-model layout). Remove the "
@@ -91,35 +93,69 @@ def check_copyable(kv_cache_config, group_ids: Sequence[int] = (0,)) -> None:
                               "supports one full-attention group")
 
 
-def check_groups_alias(kv_caches: dict, kv_cache_config) -> None:
+def _is_mamba(spec) -> bool:
+    try:
+        from vllm.v1.kv_cache_interface import MambaSpec
+    except ImportError:     # pragma: no cover - kvstore without vLLM
+        return False
+    return isinstance(spec, MambaSpec)
+
+
+def _block_span(t) -> int:
+    """Bytes one block of a [num_blocks, ...] view spans (from its first to its last
+    byte), in its own dtype's elements."""
+    return (sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:])) + 1) * t.element_size()
+
+
+def check_groups_alias(kv_caches: dict, kv_cache_config, carrier: int = 0) -> None:
     """With several KV cache groups (vLLM's hybrid KV cache manager), kvstore copies every
-    group's blocks through group 0's layer views. That is right when, as vLLM 0.33 lays a
-    hybrid model out (`get_kv_cache_config_from_groups`), the groups overlay one
-    allocation: group g's i-th layer is the same memory (address, shape, strides, dtype)
-    as group 0's i-th layer, so block b is group g's page wherever group g owns b.
+    group's blocks through the `carrier` group's layer views (its first full-attention
+    group). That is right when, as vLLM 0.33 lays a hybrid model out
+    (`get_kv_cache_config_from_groups`), the groups overlay one allocation:
+    - an attention group's i-th layer is the same memory (address, shape, strides,
+      dtype) as the carrier's i-th layer, so block b is its page wherever it owns b;
+    - a Mamba group's i-th layer (a `[num_blocks, 1, 1, state_bytes]` int8 view) starts
+      at the carrier's i-th layer, has as many blocks, steps by the same block stride,
+      and one block's state lies inside the carrier's page (vLLM pads the Mamba page to
+      the attention page), so copying the carrier's page of block b copies the state
+      (and the padding after it) wherever the Mamba group owns b.
     Anything else is refused, naming the first layer that differs."""
     groups = kv_cache_config.kv_cache_groups
 
-    def view(name):
+    def tensor(name):
         t = kv_caches[name]
         if isinstance(t, (list, tuple)):
             raise ConfigError(f"kvstore: layer {name} has several KV tensors; a hybrid "
                               "model's layers must each have one")
+        return t
+
+    def view(t):
         return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
 
-    base = [view(n) for n in groups[0].layer_names]
-    for g, grp in enumerate(groups[1:], start=1):
+    carrier_names = list(groups[carrier].layer_names)
+    base = [tensor(n) for n in carrier_names]
+    for g, grp in enumerate(groups):
+        if g == carrier:
+            continue
         names = list(grp.layer_names)
         if len(names) != len(base):
             raise ConfigError(
-                f"kvstore: KV cache group {g} has {len(names)} layers and group 0 has "
+                f"kvstore: KV cache group {g} has {len(names)} layers and group {carrier} has "
                 f"{len(base)}; kvstore stores hybrid models whose groups have as many layers "
                 "each (vLLM pads them so). Remove the kvstore connector for this model.")
+        mamba = _is_mamba(grp.kv_cache_spec)
         for i, n in enumerate(names):
-            if view(n) != base[i]:
+            t, b = tensor(n), base[i]
+            if mamba:
+                ok = (t.data_ptr() == b.data_ptr() and t.shape[0] == b.shape[0]
+                      and t.stride(0) * t.element_size() == b.stride(0) * b.element_size()
+                      and _block_span(t) <= _block_span(b))
+            else:
+                ok = view(t) == view(b)
+            if not ok:
                 raise ConfigError(
                     f"kvstore: layer {n} (KV cache group {g}) does not overlay layer "
-                    f"{groups[0].layer_names[i]} of group 0; kvstore copies a hybrid model's "
+                    f"{carrier_names[i]} of group {carrier}; kvstore copies a hybrid model's "
                     "blocks through one set of layer views. Remove the kvstore connector "
                     "for this model.")
 

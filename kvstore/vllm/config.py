@@ -30,13 +30,14 @@ class ConnectorConfig:
     create: bool = True
     index_thread: bool = True
     slot_pool: int | None = None
+    data_dirs: tuple[str, ...] | None = None   # one directory per device (docs/CONFIG.md)
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "ConnectorConfig":
         extra = dict(extra or {})
         known = {"path", "capacity", "io_mode", "queue_depth", "store_policy", "verify",
                  "durability", "staging", "load_timeout_s", "max_store_blocks_per_step", "create",
-                 "index_thread", "slot_pool"}
+                 "index_thread", "slot_pool", "data_dirs"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kvstore: unknown kv_connector_extra_config key(s) {unknown}; "
@@ -86,7 +87,17 @@ class ConnectorConfig:
             index_thread=index_thread,
             slot_pool=None if extra.get("slot_pool") is None
             else integer("slot_pool", None, 1, 1 << 24),
+            data_dirs=_data_dirs(extra.get("data_dirs")),
         )
+
+
+def _data_dirs(value) -> tuple[str, ...] | None:
+    from kvstore.layout import normalize_data_dirs
+    try:
+        dirs = normalize_data_dirs(value)
+    except ConfigError as exc:
+        raise ConfigError(f"kvstore: {exc}") from None
+    return tuple(dirs) if dirs else None
 
 
 def layout_from_vllm(vllm_config, kv_cache_config) -> Layout:
@@ -99,7 +110,8 @@ def layout_from_vllm(vllm_config, kv_cache_config) -> Layout:
     check_parallel_layout(vllm_config.parallel_config)
     groups = kv_cache_config.kv_cache_groups
     group_desc = check_kv_cache_groups(groups)
-    spec = groups[0].kv_cache_spec
+    carrier = carrier_group(groups)
+    spec = groups[carrier].kv_cache_spec
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     if not group_desc and not isinstance(spec, FullAttentionSpec):
         raise ConfigError(f"kvstore supports full-attention KV caches, not {type(spec).__name__}")
@@ -115,7 +127,9 @@ def layout_from_vllm(vllm_config, kv_cache_config) -> Layout:
     # The payload is the pages of all layers concatenated; a page's inner order (NHC or
     # HNC) is what matters, not whether layers or blocks are outermost in GPU memory.
     page_format = layout_name[-3:] if len(layout_name) >= 3 else layout_name
-    num_layers = len(groups[0].layer_names)
+    # The payload of any group's block is the carrier group's pages of that block (the
+    # groups overlay one allocation; a Mamba state is the head of its padded page).
+    num_layers = len(groups[carrier].layer_names)
     return Layout(
         model=str(vllm_config.model_config.model),
         dtype=cache_dtype_name(getattr(cc, "cache_dtype", "auto"), spec.dtype),
@@ -167,16 +181,82 @@ def check_parallel_layout(parallel_config) -> None:
 
 def kv_group_kinds(groups) -> list[tuple[str, int]]:
     """(kind, tokens a hit needs before its end) per KV cache group: ("full", 0) for full
-    attention (the whole prefix), ("swa", num_retained_tokens) for sliding window."""
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    attention (the whole prefix), ("swa", num_retained_tokens) for sliding window,
+    ("mamba", 0) for Mamba state (the one state at the hit's end)."""
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
     out = []
     for g in groups:
         spec = g.kv_cache_spec
         if isinstance(spec, SlidingWindowSpec):
             out.append(("swa", int(spec.num_retained_tokens)))
+        elif isinstance(spec, MambaSpec):
+            out.append(("mamba", 0))
         else:
             out.append(("full", 0))
     return out
+
+
+def carrier_group(groups) -> int:
+    """The KV cache group whose layer views the worker copies every group's blocks
+    through: the first full-attention group (its pages are the full, unpadded pages of
+    the allocation every group overlays), else group 0."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    for i, g in enumerate(groups):
+        if type(g.kv_cache_spec) is FullAttentionSpec:
+            return i
+    return 0
+
+
+def _mamba_desc(spec) -> str:
+    """The layout `groups` entry of a Mamba group: what makes its states interchangeable
+    (backend type, state shapes and dtypes per rank), e.g.
+    "mamba:mamba2:3x64,2x16x16:float16,float16"."""
+    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type)).lower()
+    shapes = ",".join("x".join(str(int(d)) for d in shp) for shp in spec.shapes)
+    dtypes = ",".join(str(d).replace("torch.", "") for d in spec.dtypes)
+    return f"mamba:{kind}:{shapes}:{dtypes}"
+
+
+def _check_mamba_groups(groups, head: str) -> None:
+    """Refuse the Mamba groups kvstore cannot serve, saying what to do (module docstring
+    of `check_kv_cache_groups`)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+    specs = [g.kv_cache_spec for g in groups]
+    mamba = [s for s in specs if isinstance(s, MambaSpec)]
+    attn = [s for s in specs if not isinstance(s, MambaSpec)]
+    remove = "or remove the kvstore connector for this model."
+    modes = sorted({str(s.mamba_cache_mode) for s in mamba})
+    if modes != ["align"]:
+        raise ConfigError(
+            f"kvstore: {head}. vLLM caches Mamba state only with prefix caching on (Mamba "
+            f"cache mode \"align\"); this engine runs mamba_cache_mode={'/'.join(modes)}. "
+            f"Start vLLM with --enable-prefix-caching, {remove}")
+    if not any(type(s) is FullAttentionSpec for s in attn) or \
+            not all(type(s) in (FullAttentionSpec, SlidingWindowSpec) for s in attn):
+        raise ConfigError(
+            f"kvstore: {head}. kvstore serves Mamba groups next to full-attention (and "
+            f"sliding-window) groups only: remove the kvstore connector for this model.")
+    sizes = {int(s.block_size) for s in specs}
+    layers = {len(g.layer_names) for g in groups}
+    pages = {int(s.page_size_bytes) for s in specs}
+    if len(sizes) > 1 or len(layers) > 1 or len(pages) > 1:
+        raise ConfigError(
+            f"kvstore: {head}. kvstore serves a Mamba hybrid whose groups have one block "
+            f"size, layer count and (padded) page size, as vLLM lays them out with "
+            f"--mamba-block-size equal to --block-size; this model has block sizes "
+            f"{sorted(sizes)}, layer counts {sorted(layers)}, pages {sorted(pages)}. Start "
+            f"vLLM with --mamba-block-size equal to the attention block size, {remove}")
+    for s in mamba:
+        if int(s.real_page_size_bytes) > int(s.page_size_bytes):   # pragma: no cover
+            raise ConfigError(f"kvstore: {head}: a Mamba state is larger than its page")
+        if int(getattr(s, "num_speculative_blocks", 0) or 0) or \
+                int(getattr(s, "num_prefill_checkpoint_blocks", 0) or 0):
+            raise ConfigError(
+                f"kvstore: {head}. kvstore does not serve Mamba groups with speculative or "
+                f"prefill-checkpoint state blocks yet (num_speculative_blocks="
+                f"{s.num_speculative_blocks}, num_prefill_checkpoint_blocks="
+                f"{s.num_prefill_checkpoint_blocks}): run without speculative decoding "
+                f"(--speculative-config), {remove}")
 
 
 def check_kv_cache_groups(groups) -> str:
@@ -187,8 +267,10 @@ def check_kv_cache_groups(groups) -> str:
 
     Served: one full-attention group; or full-attention and sliding-window groups of the
     same block size, page and layer count (how vLLM 0.33 lays out a hybrid model whose
-    groups overlay one allocation; the worker checks the overlay, `check_groups_alias`).
-    Refused: Mamba state, chunked local attention, anything else. With
+    groups overlay one allocation; the worker checks the overlay, `check_groups_alias`),
+    optionally with Mamba groups in "align" cache mode (prefix caching on) of that block
+    size, layer count and padded page, without speculative state blocks. Refused, saying
+    what to do: other Mamba setups, chunked local attention, anything else. With
     --disable-hybrid-kv-cache-manager, vLLM 0.33 turns sliding-window and chunked local
     attention layers into full-attention specs (`_promote_local_kv_cache_specs`,
     kv_cache_planning.py), which is one group.
@@ -205,21 +287,28 @@ def check_kv_cache_groups(groups) -> str:
     names = [type(s).__name__ for s in specs]
     counts = ", ".join(f"{names.count(n)} {n}" for n in dict.fromkeys(names))
     head = f"this model has {len(groups)} KV cache groups ({counts})"
-    if any(isinstance(s, MambaSpec) for s in specs):
-        raise ConfigError(
-            f"kvstore: {head}. Mamba/hybrid-SSM state is not supported by kvstore yet: remove "
-            "the kvstore connector for this model.")
+    has_mamba = any(isinstance(s, MambaSpec) for s in specs)
+    if has_mamba:
+        _check_mamba_groups(groups, head)
     kinds = {type(s) for s in specs}
+    attn_kinds = kinds - {MambaSpec}
     shapes = {tuple(getattr(s, f, None) for f in
                     ("num_kv_heads", "head_size", "head_size_v", "dtype", "kv_quant_mode",
                      "block_size", "page_size_bytes"))
-              for s in specs}
+              for s in specs if not isinstance(s, MambaSpec)}
     layers = {len(g.layer_names) for g in groups}
-    if (FullAttentionSpec in kinds and kinds <= {FullAttentionSpec, SlidingWindowSpec}
+    if (FullAttentionSpec in attn_kinds and attn_kinds <= {FullAttentionSpec, SlidingWindowSpec}
             and len(shapes) == 1 and len(layers) == 1
-            and all(type(s) in (FullAttentionSpec, SlidingWindowSpec) for s in specs)):
+            and all(type(s) in (FullAttentionSpec, SlidingWindowSpec, MambaSpec)
+                    for s in specs)):
         return ";".join("full" if type(s) is FullAttentionSpec
+                        else _mamba_desc(s) if type(s) is MambaSpec
                         else f"swa:{int(s.sliding_window)}" for s in specs)
+    if has_mamba:
+        raise ConfigError(
+            f"kvstore serves full-attention, sliding-window and Mamba groups whose "
+            f"attention groups have one block size, page and layer count; {head} differ: "
+            "remove the kvstore connector for this model.")
     local = kinds & {SlidingWindowSpec, ChunkedLocalAttentionSpec}
     promotable = {tuple(getattr(s, f, None) for f in
                         ("num_kv_heads", "head_size", "head_size_v", "dtype", "kv_quant_mode"))

@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvstore.vllm.config import ConnectorConfig, kv_group_kinds, layout_from_vllm
+from kvstore.vllm.config import ConnectorConfig, carrier_group, kv_group_kinds, layout_from_vllm
 from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta
 from kvstore.vllm.metrics import KVStorePromMetrics, KVStoreStats
 
@@ -54,7 +54,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # Refuse a KV cache kvstore cannot copy now, with what to change, rather than
             # when vLLM hands over its tensors.
             from kvstore.transfer import check_copyable
-            check_copyable(kv_cache_config)
+            check_copyable(kv_cache_config, (carrier_group(kv_cache_config.kv_cache_groups),))
 
     @property
     def requires_kv_delivery(self) -> bool:

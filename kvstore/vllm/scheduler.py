@@ -56,6 +56,9 @@ class KVStoreScheduler:
         # and load every group as vLLM's hybrid coordinator defines a hit.
         self.group_kinds = group_kinds or _kinds_of_layout(layout)
         self.hybrid = len(self.group_kinds) > 1
+        self._mamba_groups = {g for g, (kind, _) in enumerate(self.group_kinds)
+                              if kind == "mamba"}
+        self.has_mamba = bool(self._mamba_groups)
         self._stored_upto_g: dict[str, list[int]] = {}   # hybrid: per-group store cursor
         self.tp_size = layout.tp_size
         ensure_store(cfg.path, layout, cfg.capacity, io_mode=cfg.io_mode, create=cfg.create)
@@ -183,15 +186,22 @@ class KVStoreScheduler:
 
     def _group_lo(self, g: int, start: int, end: int) -> int:
         """First block group g needs for a hit ending at block `end`: the whole prefix
-        after the GPU hit (full attention), or only the window before the end."""
+        after the GPU hit (full attention), only the window before the end (sliding
+        window), or only the state at the end (Mamba)."""
         kind, retained = self.group_kinds[g]
-        return start if kind == "full" else max(start, end - self._window_blocks(retained))
+        if kind == "full":
+            return start
+        if kind == "mamba":
+            return end - 1
+        return max(start, end - self._window_blocks(retained))
 
     def _hybrid_lookup(self, request, start: int, end: int) -> tuple[int, bool]:
         """vLLM's hybrid hit against the disk: the longest end such that every full-
-        attention group has blocks start..end and every sliding-window group the blocks
+        attention group has blocks start..end, every sliding-window group the blocks
         of its window before end (the GPU hit before `start` covers the rest: vLLM's
-        local hit guarantees the window before it). Then every needed block is pinned."""
+        local hit guarantees the window before it) and every Mamba group the state at
+        end (key hashes[end-1] + group), found as a fixed point (each group can only
+        move the end back). Then every needed block is pinned."""
         hashes = request.block_hashes
         end = min(end, len(hashes))
         index = self.index
@@ -201,13 +211,16 @@ class KVStoreScheduler:
                 if kind == "full" and end > start:
                     end = start + len(index.present(hashes, start, end, g).split(b"\0", 1)[0])
             changed = True
-            while changed and end > start:      # each window can only move the end back
+            while changed and end > start:      # each group can only move the end back
                 changed = False
                 for g, (kind, retained) in enumerate(self.group_kinds):
-                    if kind != "swa" or end <= start:
+                    if kind == "full" or end <= start:
                         continue
-                    new_end = _window_end(index.present(hashes, start, end, g), start, end,
-                                          self._window_blocks(retained))
+                    flags = index.present(hashes, start, end, g)
+                    if kind == "mamba":         # the last stored state at or before end
+                        new_end = start + len(flags.rstrip(b"\0"))
+                    else:
+                        new_end = _window_end(flags, start, end, self._window_blocks(retained))
                     if new_end != end:
                         end, changed = new_end, True
             if end <= start:
@@ -286,7 +299,9 @@ class KVStoreScheduler:
             nfull = min(done_after // bs, len(req.block_hashes))
             ups = self._stored_upto_g.setdefault(req_id, [0] * len(self.group_kinds))
             tables = self._kv_cache_manager.get_block_ids(req_id)
-            for g in range(len(self.group_kinds)):
+            for g, (kind, _) in enumerate(self.group_kinds):
+                if kind == "mamba":     # stored from vLLM's boundary hand-offs only
+                    continue
                 first = ups[g]
                 if req.num_computed_tokens < first * bs:
                     first = req.num_computed_tokens // bs
@@ -306,6 +321,52 @@ class KVStoreScheduler:
                 if self.events_enabled:
                     origins += [self._origin(req, i) for i in idx]
                 ups[g] = idx[-1] + 1 if len(k) == room else stop
+
+    def _plan_boundary_states(self, scheduler_output, limit: int, keys: list, bids: list,
+                              origins: list) -> None:
+        """Mamba stores: the exact state blocks vLLM hands off this step
+        (`kv_connector_block_state.boundary_state_offloads`, {req: [(group, block id,
+        boundary tokens)]}; vLLM clears it after build_connector_meta). This step's
+        forward writes them (wait_for_save copies them out after it). A Mamba table
+        cannot be read positionally (align mode nulls and relocates interior states),
+        so nothing else is stored for a Mamba group. Dropped: requests finished,
+        preempted or unknown this step (their blocks may already be someone else's),
+        null or unhashed blocks, boundaries off a block edge, blocks whose hash is not
+        the request's hash at that boundary, and keys stored or being stored."""
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offloads = getattr(state, "boundary_state_offloads", None) if state is not None else None
+        if not offloads:
+            return
+        gone = set(getattr(scheduler_output, "preempted_req_ids", None) or ()) | \
+            set(getattr(scheduler_output, "finished_req_ids", None) or ())
+        pool = self._block_pool
+        bs = self.block_size
+        storing, contains = self._storing_keys, self.index.contains
+        for req_id, entries in offloads.items():
+            req = self._requests.get(req_id)
+            if req is None or req_id in gone:
+                continue
+            for g, block_id, boundary in entries:
+                if len(keys) >= limit:
+                    return
+                if not (0 <= g < len(self.group_kinds)) or self.group_kinds[g][0] != "mamba" \
+                        or block_id <= 0 or boundary <= 0 or boundary % bs:
+                    continue
+                i = boundary // bs - 1
+                if i >= len(req.block_hashes):
+                    continue
+                key = block_key(req.block_hashes[i], g)
+                if pool is not None:
+                    blk = pool.blocks[block_id]
+                    if blk.is_null or blk.block_hash is None or bytes(blk.block_hash) != key:
+                        continue
+                if key in storing or contains(key):
+                    continue
+                storing.add(key)
+                keys.append(key)
+                bids.append(block_id)
+                if self.events_enabled:
+                    origins.append(self._origin(req, i))
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -388,6 +449,7 @@ class KVStoreScheduler:
         if pool is None:
             return
         storing, contains = self._storing_keys, self.index.contains
+        mamba = self._mamba_groups
         for seen, node in enumerate(pool.free_block_queue.iter_blocks_after(None)):
             if seen >= self._lazy_target or len(keys) >= limit:
                 break
@@ -396,6 +458,8 @@ class KVStoreScheduler:
             key = bytes(node.block_hash)
             if key in storing or contains(key):
                 continue
+            if mamba and int.from_bytes(key[-4:], "big") in mamba:
+                continue        # Mamba states are stored from vLLM's hand-offs only
             storing.add(key)
             keys.append(key)
             bids.append(node.block_id)
@@ -407,6 +471,8 @@ class KVStoreScheduler:
         origins: list = []
         spans: list = []
         try:
+            if self.has_mamba:      # every policy: the hand-offs are this step's only
+                self._plan_boundary_states(scheduler_output, limit, keys, bids, origins)
             if self.cfg.store_policy == "eager" and self.hybrid:
                 if self._kv_cache_manager is not None:
                     self._plan_eager_hybrid(scheduler_output, limit, keys, bids, origins, spans)
@@ -636,14 +702,15 @@ class KVStoreScheduler:
 
 
 def _kinds_of_layout(layout) -> list[tuple[str, int]]:
-    """Group kinds from the layout's `groups` field ("full;swa:4096"), for a scheduler
+    """Group kinds from the layout's `groups` field ("full;swa:4096;mamba:..."), for a scheduler
     built without vLLM's KV cache config: a window of W tokens retains W - 1."""
     if not getattr(layout, "groups", ""):
         return [("full", 0)]
     out = []
     for part in layout.groups.split(";"):
         kind, _, w = part.partition(":")
-        out.append(("swa", int(w) - 1) if kind == "swa" else ("full", 0))
+        out.append(("swa", int(w) - 1) if kind == "swa"
+                   else ("mamba", 0) if kind == "mamba" else ("full", 0))
     return out
 
 

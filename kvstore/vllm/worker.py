@@ -24,7 +24,7 @@ from kvstore.engine import ensure_store
 from kvstore.errors import KVStoreError
 from kvstore.rankio import RankIO, SlotRef
 from kvstore.transfer import KVTransfer, check_groups_alias
-from kvstore.vllm.config import ConnectorConfig
+from kvstore.vllm.config import ConnectorConfig, carrier_group
 from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob, StoreReport
 from kvstore.vllm.metrics import KVStoreStats
 
@@ -53,19 +53,23 @@ class KVStoreWorker:
     def __init__(self, cfg: ConnectorConfig, layout, rank: int, kv_caches, kv_cache_config):
         self.cfg = cfg
         self.rank = rank
-        ensure_store(cfg.path, layout, cfg.capacity, io_mode=cfg.io_mode, create=cfg.create)
+        ensure_store(cfg.path, layout, cfg.capacity, io_mode=cfg.io_mode, create=cfg.create,
+                     data_dirs=cfg.data_dirs)
         self.io = RankIO(cfg.path, rank, layout=layout, io_mode=cfg.io_mode,
                          queue_depth=cfg.queue_depth, staging_bytes=cfg.staging_bytes)
         self.transfer = None
         try:
-            # Several KV cache groups (a hybrid model: full + sliding-window attention) alias
-            # one allocation: group g's layer i is the same memory as group 0's layer i,
-            # and a block id belongs to one group at a time, so group 0's transfer copies
+            # Several KV cache groups (a hybrid model: full attention, sliding window,
+            # Mamba) alias one allocation: group g's layer i is the same memory as the
+            # carrier group's layer i (a Mamba state is the head of its padded page), and
+            # a block id belongs to one group at a time, so the carrier's transfer copies
             # any group's block (`check_groups_alias` refuses anything else).
-            self.hybrid = len(kv_cache_config.kv_cache_groups) > 1
+            groups = kv_cache_config.kv_cache_groups
+            self.hybrid = len(groups) > 1
+            carrier = carrier_group(groups)
             if self.hybrid:
-                check_groups_alias(kv_caches, kv_cache_config)
-            self.transfer = KVTransfer(kv_caches, kv_cache_config, self.io.staging)
+                check_groups_alias(kv_caches, kv_cache_config, carrier)
+            self.transfer = KVTransfer(kv_caches, kv_cache_config, self.io.staging, (carrier,))
             if self.transfer.block_bytes != layout.block_bytes:
                 raise KVStoreError(f"KV cache blocks are {self.transfer.block_bytes} bytes, the "
                                    f"layout says {layout.block_bytes}")
