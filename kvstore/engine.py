@@ -29,12 +29,12 @@ from kvstore._slotfile import SlotFile
 from kvstore.errors import ConfigError, KVStoreError, StoreLocked, StoreNotFound
 from kvstore.index import Entry, Index
 from kvstore.layout import (
-    Layout, StoreGeometry, check_layout, format_size, parse_size, read_fingerprint,
-    write_fingerprint,
+    Layout, StoreGeometry, check_data_dirs, check_layout, device_dirs, format_size,
+    normalize_data_dirs, parse_size, read_fingerprint, write_fingerprint,
 )
 
 from kvstore.rankio import (  # noqa: F401  (RankIO, SlotRef and the paths are public here too)
-    IO_MODES, RankIO, SlotRef, _check_choice, _check_dir, rank_dir, slot_file_path,
+    IO_MODES, RankIO, SlotRef, _check_choice, _check_dir, create_iostats, rank_dir, slot_file_path,
 )
 
 log = logging.getLogger("kvstore.engine")
@@ -72,6 +72,127 @@ def _remove_unfinished_store(path: str) -> None:
         except OSError:
             pass
 
+
+
+DATA_MARKER = "kvstore-data.json"   # in each data directory: which store it belongs to
+
+
+def _check_data_dir(path: str, direct: bool) -> None:
+    """Refuse a data directory kvstore cannot use, saying what to do: it must exist (a
+    missing directory is most often a device that is not mounted, and creating it would
+    put the slots on the wrong disk), be a real directory (not a symlink), be writable
+    and, for io_mode "direct", accept O_DIRECT."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise StoreNotFound(
+            f"data directory {path} does not exist: create it on the device's file system "
+            f"(mount the device, then `mkdir -p {path}`), or remove it from data_dirs") from None
+    if os.path.islink(path):
+        raise KVStoreError(f"data directory {path} is a symlink; give its real path "
+                           f"({os.path.realpath(path)}) in data_dirs")
+    import stat as _stat
+    if not _stat.S_ISDIR(st.st_mode):
+        raise KVStoreError(f"data directory {path} is not a directory; give a directory on the "
+                           "device in data_dirs")
+    probe = os.path.join(path, f".kvstore-probe-{os.getpid()}")
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(probe, flags, 0o600)
+    except OSError as exc:
+        raise KVStoreError(f"cannot create files in data directory {path} ({exc.strerror}); make it "
+                           "writable by this user, or remove it from data_dirs") from None
+    os.close(fd)
+    try:
+        if direct:
+            from kvstore._hostbuf import HostBuffer
+            try:
+                fd = os.open(probe, os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError as exc:
+                raise KVStoreError(
+                    f"data directory {path} does not support O_DIRECT ({exc.strerror}; a tmpfs or "
+                    "ramfs?): put it on the NVMe device's file system, or set io_mode "
+                    '"page_cache"') from None
+            try:
+                hb = HostBuffer(4096)
+                try:
+                    os.pwritev(fd, [memoryview(hb)], 0)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                        return   # a full file system: the free-space check names it
+                    raise KVStoreError(
+                        f"data directory {path} refuses O_DIRECT writes ({exc.strerror}): put it on "
+                        'the NVMe device\'s file system, or set io_mode "page_cache"') from None
+                finally:
+                    hb.close()
+            finally:
+                os.close(fd)
+    finally:
+        os.unlink(probe)
+
+
+def _claim_data_dir(path: str, store: str, device: int) -> None:
+    """Mark a data directory as device `device` of `store`. A directory marked for another
+    store, or holding slot files without a mark, is refused (two stores in one directory
+    would overwrite each other's slots); what an interrupted creation of this same store
+    left is removed."""
+    import json
+    import re
+    marker = os.path.join(path, DATA_MARKER)
+    owner = None
+    if os.path.lexists(marker):
+        try:
+            with open(marker, "rb") as f:
+                owner = json.loads(f.read(1 << 16)).get("store")
+        except (OSError, ValueError, AttributeError):
+            owner = "?"
+    ranks = [n for n in os.listdir(path) if re.fullmatch(r"rank\d+", n)]
+    if owner is not None and owner != store:
+        raise KVStoreError(f"data directory {path} belongs to store {owner} ({marker}); give each "
+                           "store its own data directories")
+    if ranks and owner is None:
+        raise KVStoreError(f"data directory {path} already holds slot files ({', '.join(ranks)}) of "
+                           "no known store; give an empty directory, or remove them first")
+    for name in ranks:   # what an interrupted creation of this store left
+        d = os.path.join(path, name)
+        _check_dir(d)
+        for f in os.listdir(d):
+            if re.fullmatch(r"slots-\d{4}\.kvs", f) or f == "iostats":
+                os.unlink(os.path.join(d, f))
+    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"store": store, "device": device}, f)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _check_free_space(path: str, dirs: list[str], geo: StoreGeometry, tp_size: int) -> None:
+    """Every device must hold its share of the slots (data directories on one file system
+    share its free space)."""
+    if len(dirs) == 1 and dirs[0] == path:
+        need = geo.num_slots * geo.slot_size * tp_size
+        free = shutil.disk_usage(path).free
+        if need > free:
+            raise KVStoreError(
+                f"capacity {format_size(need)} is larger than the free space on {path} "
+                f"({format_size(free)}); choose a capacity below {format_size(free)}")
+        return
+    by_fs: dict[int, list[int]] = {}
+    for d, ddir in enumerate(dirs):
+        by_fs.setdefault(os.stat(ddir).st_dev, []).append(d)
+    for devs in by_fs.values():
+        need = sum(geo.device_slots(d) for d in devs) * geo.slot_size * tp_size
+        free = shutil.disk_usage(dirs[devs[0]]).free
+        if need > free:
+            names = ", ".join(dirs[d] for d in devs)
+            per = geo.slot_size * tp_size
+            fit = free // per * len(dirs) // len(devs) * per
+            raise KVStoreError(
+                f"data directory {names} needs {format_size(need)} for its share of the capacity "
+                f"but its file system has {format_size(free)} free; free space there, or choose a "
+                f"capacity below {format_size(fit)} (slots are striped evenly over the "
+                f"{len(dirs)} data directories)")
 
 
 class WriterLock:
@@ -139,7 +260,7 @@ class DiskStore:
 
     def __init__(self, path: str, layout: Layout | None = None, *, readonly: bool = False,
                  io: bool = False, io_mode: str = "direct", queue_depth: int = 32,
-                 staging_bytes: int = 64 << 20, sync: bool = True):
+                 staging_bytes: int = 64 << 20, sync: bool = True, data_dirs=None):
         _check_choice("io_mode", io_mode, IO_MODES)
         self.path = os.path.abspath(path)
         self.readonly = readonly
@@ -151,6 +272,8 @@ class DiskStore:
         self.layout, self.geometry, self.fingerprint = read_fingerprint(self.path)
         if layout is not None:
             check_layout(self.path, self.layout, layout)
+        check_data_dirs(self.path, self.fingerprint, data_dirs)
+        self.data_dirs = device_dirs(self.path, self.fingerprint)
         try:
             if not readonly:
                 self._lock = WriterLock(self.path)
@@ -173,53 +296,65 @@ class DiskStore:
             raise
 
     @classmethod
-    def create(cls, path: str, layout: Layout, capacity, *, exist_ok: bool = False, **kw) -> "DiskStore":
-        """Create a store of `capacity` bytes (int or '500G') for `layout`, then open it."""
+    def create(cls, path: str, layout: Layout, capacity, *, exist_ok: bool = False,
+               data_dirs=None, **kw) -> "DiskStore":
+        """Create a store of `capacity` bytes (int or '500G') for `layout`, then open it.
+
+        `data_dirs` (one directory per device) spreads the slots over several devices:
+        slot s on data_dirs[s % len(data_dirs)]; the index, fingerprint and lock stay in
+        `path`. Each data directory must exist and have room for its share."""
         capacity_bytes = parse_size(capacity)
-        geo = StoreGeometry.for_capacity(capacity_bytes, layout)
+        dirs = normalize_data_dirs(data_dirs)
+        geo = StoreGeometry.for_capacity(capacity_bytes, layout, len(dirs) if dirs else 1)
         path = os.path.abspath(path)
         if os.path.lexists(os.path.join(path, "kvstore.json")):
             if not exist_ok:
                 raise KVStoreError(f"a store already exists at {path}; open it instead")
-            return cls(path, layout, **kw)
+            return cls(path, layout, data_dirs=data_dirs, **kw)
         parent = os.path.dirname(path)
         if not os.path.isdir(parent):
             raise StoreNotFound(f"parent directory {parent} does not exist")
+        direct = kw.get("io_mode", "direct") == "direct"
+        if dirs:
+            for d in dirs:
+                _check_data_dir(d, direct)
         _safe_mkdir(path)
         lock = WriterLock(path)
+        devices = dirs or [path]
         try:
             if os.path.lexists(os.path.join(path, "kvstore.json")):
                 # Another process finished creating it while we waited for the lock.
                 lock.release()
                 if not exist_ok:
                     raise KVStoreError(f"a store already exists at {path}; open it instead")
-                return cls(path, layout, **kw)
+                return cls(path, layout, data_dirs=data_dirs, **kw)
             # A creation that was killed before it wrote the fingerprint left slot files
             # and an index behind; they belong to no store (nothing opens a directory
             # without kvstore.json) and would make every later creation fail.
             _remove_unfinished_store(path)
-            need = geo.num_slots * geo.slot_size * layout.tp_size
-            free = shutil.disk_usage(path).free
-            if need > free:
-                raise KVStoreError(
-                    f"capacity {format_size(need)} is larger than the free space on {path} "
-                    f"({format_size(free)}); choose a capacity below {format_size(free)}")
+            _check_free_space(path, devices, geo, layout.tp_size)
+            if dirs:
+                for d, ddir in enumerate(dirs):
+                    if ddir != path:
+                        _claim_data_dir(ddir, path, d)
         except BaseException:
             lock.release()
             raise
         created = []
         try:
-            for r in range(layout.tp_size):
-                _safe_mkdir(rank_dir(path, r))
-                for i in range(geo.num_files):
-                    p = slot_file_path(path, r, i)
-                    SlotFile(p, geo.slot_size, geo.file_slots(i),
-                             direct=kw.get("io_mode", "direct") == "direct", create=True).close()
-                    created.append(p)
+            for d, ddir in enumerate(devices):
+                for r in range(layout.tp_size):
+                    _safe_mkdir(rank_dir(ddir, r))
+                    for i in range(geo.device_files(d)):
+                        p = slot_file_path(ddir, r, i)
+                        SlotFile(p, geo.slot_size, geo.device_file_slots(d, i),
+                                 direct=direct, create=True).close()
+                        created.append(p)
+                    create_iostats(ddir, r)
             Index(os.path.join(path, "index"), geo.num_slots, create=True).close()
             # The fingerprint is written last: a store without it is not a store, so a
             # crash during creation leaves nothing that could be opened half-made.
-            write_fingerprint(path, layout, geo, capacity_bytes)
+            write_fingerprint(path, layout, geo, capacity_bytes, dirs)
         except BaseException:
             for p in created:
                 try:
@@ -229,7 +364,7 @@ class DiskStore:
             lock.release()
             raise
         lock.release()
-        return cls(path, layout, **kw)
+        return cls(path, layout, data_dirs=data_dirs, **kw)
 
     # -- lifecycle -------------------------------------------------------------------
     def close(self) -> None:
@@ -402,13 +537,15 @@ class DiskStore:
 
 
 def ensure_store(path: str, layout: Layout, capacity=None, *, io_mode: str = "direct",
-                 create: bool = True) -> str:
+                 create: bool = True, data_dirs=None) -> str:
     """Make sure a store for `layout` exists at `path`; create it once, race-free.
 
     Every process of a serving engine (scheduler and each TP worker) calls this at start;
     the first one creates the store under a blocking flock, the others wait for it and
     then read the same geometry from kvstore.json, so all ranks agree on the slot count
-    without talking to each other. Refuses a store of another layout (LayoutMismatch).
+    without talking to each other. Refuses a store of another layout (LayoutMismatch),
+    or, when `data_dirs` is given, a store over other data directories (LayoutMismatch
+    naming `data_dirs`; None accepts the store's own).
     """
     path = os.path.abspath(path)
     fp = os.path.join(path, "kvstore.json")
@@ -427,10 +564,11 @@ def ensure_store(path: str, layout: Layout, capacity=None, *, io_mode: str = "di
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             if not os.path.lexists(fp):
-                DiskStore.create(path, layout, capacity, io_mode=io_mode).close()
+                DiskStore.create(path, layout, capacity, io_mode=io_mode, data_dirs=data_dirs).close()
         finally:
             os.close(lock_fd)
     _check_dir(path)
-    stored, _, _ = read_fingerprint(path)
+    stored, _, doc = read_fingerprint(path)
     check_layout(path, stored, layout)
+    check_data_dirs(path, doc, data_dirs)
     return path

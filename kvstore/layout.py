@@ -125,25 +125,65 @@ class Layout:
 
 @dataclass(frozen=True)
 class StoreGeometry:
-    """How a store's capacity is cut into slots and files (fixed at creation)."""
+    """How a store's capacity is cut into slots, devices and files (fixed at creation).
+
+    With `num_devices` D > 1 (a store over several data directories, one per device),
+    slots are striped: slot s lives on device s % D as that device's local slot s // D,
+    so consecutive slots (one request's prefix) read from every device at once. Each
+    device holds its local slots in files of `slots_per_file` slots. D = 1 is the
+    single-directory store, byte for byte as before (local slot = slot).
+    """
 
     num_slots: int
     slot_size: int
     slots_per_file: int
+    num_devices: int = 1
+
+    def device_slots(self, device: int) -> int:
+        """Slots that live on `device` (the first num_slots % D devices hold one more)."""
+        d = self.num_devices
+        return max(0, (self.num_slots - device + d - 1) // d)
+
+    def device_files(self, device: int) -> int:
+        return (self.device_slots(device) + self.slots_per_file - 1) // self.slots_per_file
+
+    def device_file_slots(self, device: int, file_index: int) -> int:
+        return min(self.slots_per_file, self.device_slots(device) - file_index * self.slots_per_file)
 
     @property
     def num_files(self) -> int:
-        return (self.num_slots + self.slots_per_file - 1) // self.slots_per_file
+        """Slot files per rank on device 0 (the device with the most; all of them for D = 1)."""
+        return self.device_files(0)
 
     def file_slots(self, file_index: int) -> int:
-        return min(self.slots_per_file, self.num_slots - file_index * self.slots_per_file)
+        """Slots of file `file_index` on device 0."""
+        return self.device_file_slots(0, file_index)
+
+    def device_of(self, slot: int) -> int:
+        return slot % self.num_devices
 
     def locate(self, slot: int) -> tuple[int, int]:
-        """(file index, byte offset) of a slot."""
-        return slot // self.slots_per_file, (slot % self.slots_per_file) * self.slot_size
+        """(file index on its device, byte offset) of a slot."""
+        local = slot // self.num_devices
+        return local // self.slots_per_file, (local % self.slots_per_file) * self.slot_size
+
+    def file_number(self, slot: int) -> int:
+        """One number per slot file of a rank: device * files of device 0 + file index
+        (the file index itself for D = 1)."""
+        return self.device_of(slot) * self.num_files + self.locate(slot)[0]
+
+    def slot_range_text(self, device: int, file_index: int) -> str:
+        """The global slots a file holds, for messages."""
+        first = file_index * self.slots_per_file
+        n = self.device_file_slots(device, file_index)
+        if self.num_devices == 1:
+            return f"slots {first}..{first + n - 1}"
+        d = self.num_devices
+        return (f"slots {first * d + device}..{(first + n - 1) * d + device} "
+                f"(every {d}th, device {device})")
 
     @classmethod
-    def for_capacity(cls, capacity_bytes: int, layout: Layout) -> "StoreGeometry":
+    def for_capacity(cls, capacity_bytes: int, layout: Layout, num_devices: int = 1) -> "StoreGeometry":
         per_slot = layout.slot_size * layout.tp_size
         num_slots = capacity_bytes // per_slot
         if num_slots < 1:
@@ -151,11 +191,46 @@ class StoreGeometry:
                 f"capacity {format_size(capacity_bytes)} holds no block: one block takes "
                 f"{format_size(per_slot)} ({layout.tp_size} rank(s) x {format_size(layout.slot_size)}); "
                 "raise the capacity")
-        spf = max(1, min(num_slots, MAX_FILE_BYTES // layout.slot_size))
-        return cls(num_slots=num_slots, slot_size=layout.slot_size, slots_per_file=spf)
+        if num_slots < num_devices:
+            raise ConfigError(
+                f"capacity {format_size(capacity_bytes)} holds {num_slots} block(s), fewer than the "
+                f"{num_devices} data directories: raise the capacity or give fewer data_dirs")
+        per_device = -(-num_slots // num_devices)
+        spf = max(1, min(per_device, MAX_FILE_BYTES // layout.slot_size))
+        return cls(num_slots=num_slots, slot_size=layout.slot_size, slots_per_file=spf,
+                   num_devices=num_devices)
 
 
-def write_fingerprint(store_dir: str, layout: Layout, geometry: StoreGeometry, capacity_bytes: int) -> None:
+def normalize_data_dirs(data_dirs) -> list[str] | None:
+    """A `data_dirs` setting as absolute paths (None or [] -> None: the store directory
+    holds the slot files). Refuses anything but a list of distinct directory strings."""
+    if data_dirs is None:
+        return None
+    if isinstance(data_dirs, (str, bytes)) or not isinstance(data_dirs, (list, tuple)):
+        raise ConfigError(f"data_dirs must be a list of directories (one per device), e.g. "
+                          f'["/mnt/nvme0/kv", "/mnt/nvme1/kv"]; got {data_dirs!r}')
+    if not data_dirs:
+        return None
+    out = []
+    for d in data_dirs:
+        if not isinstance(d, str) or not d:
+            raise ConfigError(f"data_dirs entries must be directory paths, got {d!r}")
+        out.append(os.path.normpath(os.path.abspath(os.path.expanduser(d))))
+    if len(set(out)) != len(out):
+        dup = next(d for d in out if out.count(d) > 1)
+        raise ConfigError(f"data_dirs names {dup} twice: give each device one directory")
+    if len(out) > 256:
+        raise ConfigError(f"data_dirs has {len(out)} entries; at most 256 devices per store")
+    return out
+
+
+def device_dirs(store_dir: str, doc: dict) -> list[str]:
+    """The directory of every device of a store: its `data_dirs`, else the store itself."""
+    return list(doc.get("data_dirs") or [store_dir])
+
+
+def write_fingerprint(store_dir: str, layout: Layout, geometry: StoreGeometry, capacity_bytes: int,
+                      data_dirs: list[str] | None = None) -> None:
     from kvstore import __version__
     doc = {
         "format_version": FORMAT_VERSION,
@@ -167,6 +242,8 @@ def write_fingerprint(store_dir: str, layout: Layout, geometry: StoreGeometry, c
         "created_by": f"kvstore {__version__}",
         "created_at": int(time.time()),
     }
+    if data_dirs:   # absent for single-directory stores (their fingerprint is unchanged)
+        doc["data_dirs"] = list(data_dirs)
     path = os.path.join(store_dir, FINGERPRINT)
     tmp = path + ".tmp"
     try:
@@ -211,11 +288,18 @@ def read_fingerprint(store_dir: str) -> tuple[Layout, StoreGeometry, dict]:
                              f"kvstore reads version {FORMAT_VERSION}", field="format_version")
     try:
         layout = Layout.from_dict(doc.get("layout"))
-        geo = StoreGeometry(int(doc["num_slots"]), int(doc["slot_size"]), int(doc["slots_per_file"]))
+        dirs = doc.get("data_dirs")
+        if dirs is not None:
+            if normalize_data_dirs(dirs) != dirs:
+                raise ConfigError(f"data_dirs must be a non-empty list of distinct absolute paths, "
+                                  f"got {dirs!r}")
+        geo = StoreGeometry(int(doc["num_slots"]), int(doc["slot_size"]), int(doc["slots_per_file"]),
+                            len(dirs) if dirs else 1)
         int(doc["capacity_bytes"])
     except (KeyError, TypeError, ValueError, ConfigError) as exc:
         raise KVStoreError(f"{path} is damaged ({exc}); restore it from the store's creator") from None
-    if geo.num_slots < 1 or geo.slots_per_file < 1 or geo.slot_size != layout.slot_size:
+    if (geo.num_slots < 1 or geo.slots_per_file < 1 or geo.slot_size != layout.slot_size
+            or geo.num_slots < geo.num_devices):
         raise KVStoreError(f"{path} is inconsistent (slot geometry does not match the layout)")
     return layout, geo, doc
 
@@ -229,6 +313,21 @@ def check_layout(store_dir: str, stored: Layout, wanted: Layout) -> None:
             f"store {store_dir} was written with {name}={have!r} but this engine has "
             f"{name}={want!r}{more}; refusing to serve KV of another layout. Use another store "
             "path (or delete this store) for this model/configuration.", field=name)
+
+
+def check_data_dirs(store_dir: str, doc: dict, wanted) -> None:
+    """Refuse a store whose data directories are not the configured ones (LayoutMismatch
+    naming `data_dirs`); `wanted` None means "whatever the store has"."""
+    if wanted is None:
+        return
+    want = normalize_data_dirs(wanted) or [os.path.normpath(os.path.abspath(store_dir))]
+    have = device_dirs(os.path.normpath(os.path.abspath(store_dir)), doc)
+    if have != want:
+        raise LayoutMismatch(
+            f"store {store_dir} was created with data_dirs={have!r} but this engine has "
+            f"data_dirs={want!r}; refusing to serve with another set of devices (the slots are "
+            "striped over the store's own directories, in that order). Configure the store's "
+            "data_dirs, or use another store path.", field="data_dirs")
 
 
 def block_key(block_hash: bytes, group_id: int = 0) -> bytes:

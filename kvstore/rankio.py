@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import stat
+import struct
+import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -23,7 +26,7 @@ from kvstore._hostbuf import HostBuffer
 from kvstore._ring import Ring
 from kvstore._slotfile import SlotFile
 from kvstore.errors import AlignmentError, ConfigError, CorruptSlot, KVStoreError, StoreNotFound
-from kvstore.layout import HEADER_SIZE, Layout, check_layout, read_fingerprint
+from kvstore.layout import HEADER_SIZE, Layout, check_layout, device_dirs, read_fingerprint
 from kvstore.staging import Staging
 
 log = logging.getLogger("kvstore.rankio")
@@ -83,7 +86,99 @@ def rank_dir(store_dir: str, rank: int) -> str:
 
 
 def slot_file_path(store_dir: str, rank: int, file_index: int) -> str:
+    """A slot file of one rank in one device directory (the store directory itself for a
+    single-directory store, else one of its `data_dirs`)."""
     return os.path.join(rank_dir(store_dir, rank), f"slots-{file_index:04d}.kvs")
+
+
+IOSTATS = "iostats"   # per device and rank: bytes read and written through kvstore
+_IOSTATS_MAGIC = b"KVSTIOST"
+_IOSTATS_SIZE = 4096
+_IOSTATS_LOCK = threading.Lock()   # one process's openers of a rank add exactly
+
+
+def iostats_path(device_dir: str, rank: int) -> str:
+    return os.path.join(rank_dir(device_dir, rank), IOSTATS)
+
+
+def create_iostats(device_dir: str, rank: int) -> None:
+    """Create a zeroed counter file (preallocated: updates through the mapping never
+    need a block the file system might not have)."""
+    fd = os.open(iostats_path(device_dir, rank), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        if os.fstat(fd).st_size < _IOSTATS_SIZE:
+            os.posix_fallocate(fd, 0, _IOSTATS_SIZE)
+            os.pwrite(fd, _IOSTATS_MAGIC + struct.pack("<IIQQ", 1, 0, 0, 0), 0)
+    finally:
+        os.close(fd)
+
+
+def read_iostats(device_dir: str, rank: int) -> tuple[int, int] | None:
+    """(bytes read, bytes written) recorded for one rank on one device, or None when the
+    counter file is missing or damaged (nothing tracked)."""
+    try:
+        fd = os.open(iostats_path(device_dir, rank), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        raw = os.pread(fd, 32, 0)
+    finally:
+        os.close(fd)
+    if len(raw) < 32 or raw[:8] != _IOSTATS_MAGIC:
+        return None
+    return struct.unpack_from("<QQ", raw, 16)
+
+
+_libc = None
+
+
+def _mmap_shared(fd: int, size: int) -> int:
+    """mmap(MAP_SHARED) through libc: Python's mmap keeps a dup of the fd open for the
+    mapping's life (3.11 has no trackfd=False), which the fd audits would see."""
+    import ctypes
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.mmap.restype = ctypes.c_void_p
+        _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_int, ctypes.c_long]
+        _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap: {os.strerror(err)}")
+    return addr
+
+
+class _IOCounters:
+    """The mapped counter file of one rank on one device: bytes read and written, added
+    by memory stores (no syscall per batch; the kernel writes the page back, so a killed
+    process loses nothing, a power loss at most the last writeback interval)."""
+
+    def __init__(self, device_dir: str, rank: int):
+        import ctypes
+        path = iostats_path(device_dir, rank)
+        create_iostats(device_dir, rank)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            self._addr = _mmap_shared(fd, _IOSTATS_SIZE)
+        finally:
+            os.close(fd)
+        self._words = (ctypes.c_uint64 * 4).from_address(self._addr)
+        if bytes(self._words)[:8] != _IOSTATS_MAGIC:
+            log.warning("%s is damaged; its byte counters restart at 0", path)
+            ctypes.memmove(self._addr, _IOSTATS_MAGIC + struct.pack("<IIQQ", 1, 0, 0, 0), 32)
+
+    def add(self, opcode: int, nbytes: int) -> None:
+        i = 2 if opcode == OP_READ else 3
+        with _IOSTATS_LOCK:
+            self._words[i] += nbytes
+
+    def close(self) -> None:
+        if self._addr:
+            self._words = None
+            _libc.munmap(self._addr, _IOSTATS_SIZE)
+            self._addr = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +209,7 @@ class RankIO:
         _check_choice("io_mode", io_mode, IO_MODES)
         if missing_ok and not readonly:
             raise ConfigError("RankIO: missing_ok=True is only for readonly openers (fsck)")
-        stored, geo, _ = read_fingerprint(store_dir)
+        stored, geo, doc = read_fingerprint(store_dir)
         if layout is not None:
             check_layout(store_dir, stored, layout)
         if not 0 <= rank < stored.tp_size:
@@ -126,35 +221,59 @@ class RankIO:
         self.geometry = geo
         self.payload_len = stored.block_bytes
         self.slot_size = geo.slot_size
+        # One device per data directory (the store directory itself for a single-directory
+        # store); slot s lives on device s % ndev. Each device has its own files and ring.
+        self.dirs = device_dirs(store_dir, doc)
+        self.ndev = len(self.dirs)
+        self.queue_depth = queue_depth
         self.files: list[SlotFile] = []
         # missing_ok (fsck): slot files that cannot be opened (missing, wrong size, symlink)
-        # are listed here, file index -> reason, and every I/O on their slots fails EBADF.
+        # are listed here, file number (`StoreGeometry.file_number`) -> reason, and every
+        # I/O on their slots fails EBADF.
         self.bad_files: dict[int, str] = {}
-        self.ring = None
+        self.rings: list = []
         self._own_staging = staging is None
         self.staging = None
         self._headers = None   # header memory of caller-memory transfers (read_into/write_from)
         self._pool = None
+        self._dev_pool = None
+        self._counters: list[_IOCounters | None] = []
+        # bytes this opener moved, per device: [read, written]
+        self.io_bytes = np.zeros((self.ndev, 2), dtype=np.int64)
+        nf0 = geo.num_files
+        self._fd_table = np.full((self.ndev, nf0), -1, dtype=np.int32)
+        self._fd_dev: dict[int, int] = {}
         try:
-            try:
-                _check_dir(rank_dir(store_dir, rank))
-                dir_error = None
-            except KVStoreError as exc:
-                if not missing_ok:
-                    raise
-                dir_error = str(exc)
-            for i in range(geo.num_files):
-                if dir_error is not None:
-                    self.bad_files[i] = dir_error
-                    continue
+            dev_files: list[list[SlotFile]] = []
+            for d, ddir in enumerate(self.dirs):
                 try:
-                    self.files.append(SlotFile(slot_file_path(store_dir, rank, i), geo.slot_size,
-                                               geo.file_slots(i), direct=(io_mode == "direct"),
-                                               readonly=readonly))
-                except (KVStoreError, OSError) as exc:
+                    _check_dir(rank_dir(ddir, rank))
+                    dir_error = None
+                except KVStoreError as exc:
                     if not missing_ok:
                         raise
-                    self.bad_files[i] = str(exc)
+                    dir_error = str(exc)
+                mine = []
+                for i in range(geo.device_files(d)):
+                    if dir_error is not None:
+                        self.bad_files[d * nf0 + i] = dir_error
+                        continue
+                    try:
+                        f = SlotFile(slot_file_path(ddir, rank, i), geo.slot_size,
+                                     geo.device_file_slots(d, i), direct=(io_mode == "direct"),
+                                     readonly=readonly)
+                    except (KVStoreError, OSError) as exc:
+                        if not missing_ok:
+                            raise
+                        self.bad_files[d * nf0 + i] = str(exc)
+                        continue
+                    self.files.append(f)
+                    mine.append(f)
+                    self._fd_table[d, i] = f.fd
+                    self._fd_dev[f.fd] = d
+                dev_files.append(mine)
+                self._counters.append(None if readonly or dir_error is not None
+                                      else self._open_counters(ddir, rank))
             if staging is None:
                 staging = Staging.for_bytes(staging_bytes, geo.slot_size, self.payload_len)
             elif staging.slot_size != geo.slot_size or staging.payload_len != self.payload_len:
@@ -162,28 +281,53 @@ class RankIO:
                                   f"payloads) do not fit this store's {geo.slot_size}-byte slots")
             self.staging = staging
             self.staging_slots = staging.num_slots
-            self.ring = Ring(queue_depth)
-            self.ring.register_buffers([staging.buffer])
-            if self.files:
-                self.ring.register_files([f.fd for f in self.files], [f.path for f in self.files])
+            for d in range(self.ndev):
+                ring = Ring(queue_depth)
+                self.rings.append(ring)
+                ring.register_buffers([staging.buffer])
+                if dev_files[d]:
+                    ring.register_files([f.fd for f in dev_files[d]], [f.path for f in dev_files[d]])
         except BaseException:
             self.close()
             raise
-        if self.bad_files:
-            good = iter(self.files)
-            self._fds = np.array([-1 if i in self.bad_files else next(good).fd
-                                  for i in range(geo.num_files)], dtype=np.int32)
-        else:
-            self._fds = np.array([f.fd for f in self.files], dtype=np.int32)
+        self._fds = self._fd_table[0]
+
+    @staticmethod
+    def _open_counters(ddir: str, rank: int):
+        try:
+            return _IOCounters(ddir, rank)
+        except OSError as exc:
+            log.warning("rank %d: cannot open the byte counters of %s (%s); bytes moved on this "
+                        "device are not recorded", rank, ddir, exc)
+            return None
+
+    @property
+    def ring(self):
+        """The ring of device 0 (the only one of a single-directory store)."""
+        return self.rings[0] if self.rings else None
+
+    @ring.setter
+    def ring(self, value):   # a test seam: replace device 0's ring
+        self.rings[0] = value
+
+    def device_ring(self, device: int):
+        return self.rings[device]
 
     def close(self):
         """Close ring, files and owned staging memory (idempotent)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        if self.ring is not None:
-            self.ring.close()
-            self.ring = None
+        if self._dev_pool is not None:
+            self._dev_pool.shutdown(wait=True)
+            self._dev_pool = None
+        for ring in self.rings:
+            ring.close()
+        self.rings = []
+        for c in self._counters:
+            if c is not None:
+                c.close()
+        self._counters = []
         for f in self.files:
             f.close()
         self.files = []
@@ -198,10 +342,10 @@ class RankIO:
 
     @property
     def closed(self) -> bool:
-        return self.ring is None
+        return not self.rings
 
     def _check_open(self):
-        if self.ring is None:
+        if not self.rings:
             raise KVStoreError(f"RankIO for rank {self.rank} of {self.store_dir} is closed")
 
     def payload_view(self, i: int) -> np.ndarray:
@@ -212,12 +356,78 @@ class RankIO:
         return self.staging.slot_view(i)
 
     def _locate(self, slots: Sequence[int]):
+        """(fds, offsets, devices) of global slots: slot s is local slot s // ndev of
+        device s % ndev (the slot itself on device 0 for a single-directory store)."""
         s = np.asarray(slots, dtype=np.int64)
         if s.size and (s.min() < 0 or s.max() >= self.geometry.num_slots):
             raise KVStoreError(f"slot out of range 0..{self.geometry.num_slots - 1}: {s.min()}..{s.max()}")
-        fidx = s // self.geometry.slots_per_file
-        offs = (s % self.geometry.slots_per_file) * self.slot_size
-        return self._fds[fidx], offs.astype(np.uint64)
+        if self.ndev == 1:
+            devs = np.zeros(s.shape, dtype=np.int64)
+            local = s
+        else:
+            devs, local = s % self.ndev, s // self.ndev
+        fidx = local // self.geometry.slots_per_file
+        offs = (local % self.geometry.slots_per_file) * self.slot_size
+        return self._fd_table[devs, fidx], offs.astype(np.uint64), devs
+
+    def _device_pool(self):
+        if self._dev_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._dev_pool = ThreadPoolExecutor(self.ndev, thread_name_prefix=f"kvstore-dev-r{self.rank}")
+        return self._dev_pool
+
+    def _fan(self, devs: np.ndarray, call):
+        """Run one batch over the devices: `call(d, idx)` moves the ops at positions `idx`
+        (all of them when idx is None) on device d's ring. With several devices every
+        device's part runs on its own thread, so all rings have their ops in flight at
+        once (Ring calls release the GIL for their whole submit/reap loop), and each
+        ring's queue depth bounds the ops (and so the bytes) in flight on its device.
+        Results (an array, or a tuple of arrays, per op) come back in batch order; every
+        part has ended before this returns or raises."""
+        if self.ndev == 1:
+            return call(0, None)
+        groups = [(d, np.flatnonzero(devs == d)) for d in range(self.ndev)]
+        groups = [(d, i) for d, i in groups if i.size]
+        if len(groups) <= 1:
+            return call(groups[0][0] if groups else 0, None)
+        pool = self._device_pool()
+        futs = [(idx, pool.submit(call, d, idx)) for d, idx in groups]
+        parts, exc = [], None
+        for idx, fut in futs:
+            try:
+                parts.append((idx, fut.result()))
+            except BaseException as e:   # the other devices' parts still finish first
+                exc = exc or e
+        if exc is not None:
+            raise exc
+        single = not isinstance(parts[0][1], tuple)
+        outs = [np.empty(len(devs), dtype=a.dtype) for a in ((parts[0][1],) if single else parts[0][1])]
+        for idx, r in parts:
+            for o, a in zip(outs, (r,) if single else r):
+                o[idx] = a
+        return outs[0] if single else tuple(outs)
+
+    def _account(self, d: int, opcode: int, res) -> None:
+        if opcode not in (OP_READ, OP_WRITE):
+            return
+        n = int(res[res > 0].sum())
+        if not n:
+            return
+        self.io_bytes[d, opcode] += n
+        c = self._counters[d] if d < len(self._counters) else None
+        if c is not None:
+            c.add(opcode, n)
+
+    def _ring_submit(self, opcode, fds, offs, addrs, lens, devs):
+        """Ring.submit of a plain batch (reads of headers or whole images), over the devices."""
+        def call(d, idx):
+            if idx is None:
+                res = self.rings[d].submit(opcode, fds, offs, addrs, lens)
+            else:
+                res = self.rings[d].submit(opcode, fds[idx], offs[idx], addrs[idx], lens[idx])
+            self._account(d, opcode, res)
+            return res
+        return self._fan(devs, call)
 
     def _submit(self, opcode, refs, stage_slots, verify: int = 0):
         """Move refs[i] between disk and staging slot stage_slots[i] (header + payload).
@@ -231,11 +441,28 @@ class RankIO:
 
     def _slot_io(self, opcode, refs, hdr_addrs, payload_addrs, verify: int):
         slots = [r.slot for r in refs]
-        fds, offs = self._locate(slots)
-        res, status = self.ring.slot_io(
-            opcode, fds, offs, hdr_addrs, payload_addrs, self.slot_size - HEADER_SIZE,
-            [r.key for r in refs], slots, [r.generation for r in refs],
-            self.payload_len, verify=verify, payload_align=HEADER_SIZE if self._direct else 1)
+        keys = [r.key for r in refs]
+        gens = [r.generation for r in refs]
+        fds, offs, devs = self._locate(slots)
+        io_len = self.slot_size - HEADER_SIZE
+        align = HEADER_SIZE if self._direct else 1
+        hdr_addrs = np.asarray(hdr_addrs, dtype=np.uint64)
+
+        def call(d, idx):
+            if idx is None:
+                out = self.rings[d].slot_io(opcode, fds, offs, hdr_addrs, payload_addrs, io_len,
+                                            keys, slots, gens, self.payload_len, verify=verify,
+                                            payload_align=align)
+            else:
+                sel = idx.tolist()
+                out = self.rings[d].slot_io(
+                    opcode, fds[idx], offs[idx], hdr_addrs[idx],
+                    None if payload_addrs is None else np.asarray(payload_addrs)[idx], io_len,
+                    [keys[i] for i in sel], [slots[i] for i in sel], [gens[i] for i in sel],
+                    self.payload_len, verify=verify, payload_align=align)
+            self._account(d, opcode, out[0])
+            return out
+        res, status = self._fan(devs, call)
         short = (res >= 0) & (res != self.slot_size)
         if short.any():
             # The ring completes every transfer or fails it; a partial count here would
@@ -284,7 +511,12 @@ class RankIO:
         touched = sorted({int(fds[i]) for i in range(len(refs)) if errors[i] is None})
         if not touched:
             return
-        sres = self.ring.submit(2, touched, None, None, None)
+        tdev = np.array([self._fd_dev.get(fd, 0) for fd in touched], dtype=np.int64)
+
+        def call(d, idx):   # each device syncs its own files, all devices at once
+            return self.rings[d].submit(2, touched if idx is None else [touched[i] for i in idx],
+                                        None, None, None)
+        sres = self._fan(tdev, call)
         bad = {touched[i]: -int(sres[i]) for i in np.flatnonzero(sres < 0)}
         if not bad:
             return
@@ -408,7 +640,9 @@ class RankIO:
         # verification and copy-out overlap the next chunk's read), but never below the
         # ring's queue depth (or the device would idle between chunks).
         n = len(refs)
-        chunk = max(1, min(half, max(self.ring.queue_depth if self.ring else 32, -(-n // 4))))
+        # (Every device's queue counts: a chunk spreads over all of them.)
+        qd = (self.ring.queue_depth if self.ring else 32) * self.ndev
+        chunk = max(1, min(half, max(qd, -(-n // 4))))
         areas = [list(range(chunk))] if self.staging_slots < 2 else [list(range(chunk)), list(range(half, half + chunk))]
 
         def consume(start, stop, slots, errs):
@@ -505,15 +739,18 @@ class RankIO:
                 raise TypeError("register_memory needs writable memory (the kernel pins it "
                                 "for both directions); pass read-only sources to write_from "
                                 "unregistered")
-        ok = self.ring.register_buffers([self.staging.buffer, self._header_pool(), *buffers])
+        ok = all([ring.register_buffers([self.staging.buffer, self._header_pool(), *buffers])
+                  for ring in self.rings])
         if not ok:
-            self.ring.register_buffers([self.staging.buffer])
+            for ring in self.rings:
+                ring.register_buffers([self.staging.buffer])
         return ok
 
     def unregister_memory(self) -> None:
         """Drop caller memory registered with `register_memory` (staging stays)."""
         self._check_open()
-        self.ring.register_buffers([self.staging.buffer])
+        for ring in self.rings:
+            ring.register_buffers([self.staging.buffer])
 
     def _payload_addrs(self, payloads, n: int, writable: bool):
         """Addresses of n caller payload buffers, each checked: C-contiguous, holding the
@@ -638,10 +875,10 @@ class RankIO:
         stage_np = self.staging.numpy()
         for start in range(0, len(slots), step):
             chunk = list(slots[start:start + step])
-            fds, offs = self._locate(chunk)
+            fds, offs, devs = self._locate(chunk)
             n = len(chunk)
             addrs = self.staging.address + np.arange(n, dtype=np.uint64) * np.uint64(HEADER_SIZE)
-            res = self.ring.submit(OP_READ, fds, offs, addrs, np.full(n, HEADER_SIZE, np.uint32))
+            res = self._ring_submit(OP_READ, fds, offs, addrs, np.full(n, HEADER_SIZE, np.uint32), devs)
             for i, s in enumerate(chunk):
                 if res[i] < 0:
                     out.append(OSError(-int(res[i]), os.strerror(-int(res[i]))))
@@ -677,10 +914,10 @@ class RankIO:
 
         def ring_op(k):
             chunk = slots[k * per:(k + 1) * per]
-            fds, offs = self._locate(chunk)
+            fds, offs, devs = self._locate(chunk)
             addrs = self.staging.address + (np.arange(base(k), base(k) + len(chunk), dtype=np.uint64)
                                             * np.uint64(self.slot_size))
-            return self.ring.submit(OP_READ, fds, offs, addrs, lens[:len(chunk)])
+            return self._ring_submit(OP_READ, fds, offs, addrs, lens[:len(chunk)], devs)
 
         def after(k, res):
             start, stop = k * per, min(n, (k + 1) * per)

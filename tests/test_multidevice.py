@@ -1,0 +1,258 @@
+"""One store over several devices (issue 15): slots striped over data directories, each on
+its own real, loop-mounted ext4 file system, one io_uring ring per device; the index,
+fingerprint and lock stay in the store directory."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from kvstore import KVStoreError, LayoutMismatch
+from kvstore.engine import DiskStore, RankIO, SlotRef, ensure_store, slot_file_path
+from kvstore.errors import StoreNotFound
+from kvstore.layout import Layout, read_fingerprint
+
+BB = 16 << 10
+SLOT = BB + 4096
+LAYOUT = Layout(model="tiny-llama", dtype="float16", block_size=16, block_bytes=BB, num_layers=2,
+                num_kv_heads=2, head_dim=64, tp_size=2)
+LAYOUT1 = Layout(model="tiny-llama", dtype="float16", block_size=16, block_bytes=BB, num_layers=2,
+                 num_kv_heads=2, head_dim=64, tp_size=1)
+
+
+def _loop_ext4(tmp_path, name: str, mib: int):
+    img = tmp_path / f"{name}.img"
+    mnt = tmp_path / name
+    mnt.mkdir()
+    with open(img, "wb") as f:
+        f.truncate(mib << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "nodiscard", str(img)], check=True, capture_output=True)
+    r = subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(f"cannot loop-mount an ext4 image (needs root): {r.stderr}")
+    return mnt
+
+
+@pytest.fixture
+def disks(tmp_path):
+    """Three real, small ext4 file systems on loop devices (24 MiB each), each with an
+    empty data directory `kv` (as an operator makes /mnt/nvmeN/kv)."""
+    mnts = []
+    try:
+        for i in range(3):
+            mnts.append(_loop_ext4(tmp_path, f"nvme{i}", 24))
+            (mnts[-1] / "kv").mkdir()
+        yield [str(m / "kv") for m in mnts]
+    finally:
+        for m in mnts:
+            subprocess.run(["umount", "-l", str(m)], check=False)
+
+
+def payload(i, rank):
+    return ((np.arange(BB, dtype=np.uint32) * (i + 3) + rank * 7 + i) % 251).astype(np.uint8)
+
+
+def keys(n, prefix=b"k"):
+    return [prefix + b"%05d" % i for i in range(n)]
+
+
+def _create(tmp_path, dirs, nslots=40, layout=LAYOUT, **kw):
+    return DiskStore.create(str(tmp_path / "store"), layout, nslots * SLOT * layout.tp_size,
+                            data_dirs=dirs, io=True, staging_bytes=1 << 20, **kw)
+
+
+def test_store_over_three_devices_round_trips_and_reads_every_device(tmp_path, disks, fd_leak_check):
+    with _create(tmp_path, disks, nslots=40) as st:
+        store = st.path
+        fp = json.load(open(os.path.join(store, "kvstore.json")))
+        assert fp["data_dirs"] == disks
+        assert st.geometry.num_devices == 3
+        # the slots are on the devices, not in the store directory (index, lock and
+        # fingerprint are)
+        assert not os.path.exists(os.path.join(store, "rank0"))
+        assert os.path.isdir(os.path.join(store, "index"))
+        for d, ddir in enumerate(disks):
+            for r in (0, 1):
+                n = st.geometry.device_slots(d)
+                assert os.path.getsize(slot_file_path(ddir, r, 0)) == n * SLOT
+            assert json.load(open(os.path.join(ddir, "kvstore-data.json"))) == {"store": store, "device": d}
+        assert [st.geometry.device_slots(d) for d in range(3)] == [14, 13, 13]
+        ks = keys(30)
+        assert st.put(ks, payload) == ks
+        for rio in st.ranks:
+            assert len(rio.rings) == 3
+            assert (rio.io_bytes[:, 1] > 0).all(), rio.io_bytes     # written to every device
+        got = st.get(ks)
+        assert len(got) == 30
+        for i, k in enumerate(ks):
+            for r in (0, 1):
+                assert got[k][r] == payload(i, r).tobytes()
+        for rio in st.ranks:
+            assert (rio.io_bytes[:, 0] > 0).all(), rio.io_bytes     # read from every device
+        # slot s really lives on device s % 3 at local slot s // 3
+        e = st.lookup(ks[7])
+        dev, local = e.slot % 3, e.slot // 3
+        with open(slot_file_path(disks[dev], 1, 0), "rb") as f:
+            f.seek(local * SLOT + 4096)
+            assert f.read(BB) == payload(7, 1).tobytes()
+        assert st.index.check_consistency() == []
+    # restart: a fresh open reads the data dirs from kvstore.json
+    with DiskStore(store, LAYOUT, io=True, staging_bytes=1 << 20) as st:
+        got = st.get(ks)
+        assert [got[k][0] for k in ks] == [payload(i, 0).tobytes() for i in range(30)]
+    # a read-only opener too (tools)
+    with DiskStore(store, readonly=True, io=True, staging_bytes=1 << 20) as st:
+        assert len(st.get(ks, touch=False)) == 30
+
+
+def test_devices_serve_in_parallel_with_their_own_queues(tmp_path, disks):
+    """A batch is split by device and every device's part is in flight on its own ring
+    at once (each at its own queue depth)."""
+    with _create(tmp_path, disks, nslots=60, layout=LAYOUT1, queue_depth=4) as st:
+        rio = st.ranks[0]
+        assert [r.queue_depth for r in rio.rings] == [4, 4, 4]
+        seen = {}
+
+        def spy(d):
+            def inj(op, fds, offs, lens):
+                seen.setdefault(d, []).append((op, len(fds)))
+                return []
+            return inj
+        for d, ring in enumerate(rio.rings):
+            ring.fault_injector = spy(d)
+        ks = keys(45)
+        st.put(ks, payload)
+        assert len(st.get(ks)) == 45
+        for ring in rio.rings:
+            ring.fault_injector = None
+        # writes and reads of 45 slots: 15 per device, on that device's ring
+        for d in range(3):
+            assert sum(n for op, n in seen[d] if op == "write") == 15
+            assert sum(n for op, n in seen[d] if op == "read") == 15
+            assert ("fdatasync", 1) in seen[d]          # each device syncs its own file
+        # a fault on one device fails only that device's blocks
+        rio.rings[1].fault_injector = lambda op, fds, offs, lens: (
+            [(i, "error", errno.EIO) for i in range(len(fds))] if op == "read" else [])
+        refs = [SlotRef(e.key, e.slot, e.generation) for e in st.longest_prefix(ks)]
+        got = []
+        errs = rio.read_blocks(refs, lambda a, b, views, errors: got.extend(
+            bytes(v) for v, e in zip(views, errors) if e is None))
+        rio.rings[1].fault_injector = None
+        bad = [refs[i].slot for i, e in enumerate(errs) if e is not None]
+        assert bad and all(s % 3 == 1 for s in bad) and len(bad) == 15
+        assert all(isinstance(errs[i], OSError) and errs[i].errno == errno.EIO
+                   for i in range(len(refs)) if refs[i].slot % 3 == 1)
+
+
+def test_caller_memory_and_headers_over_devices(tmp_path, disks):
+    from kvstore import HostBuffer
+    with _create(tmp_path, disks, nslots=30, layout=LAYOUT1) as st:
+        rio = st.ranks[0]
+        refs, _ = st.reserve(keys(20))
+        src = HostBuffer(20 * BB)
+        dst = HostBuffer(20 * BB)
+        try:
+            a = src.numpy().reshape(20, BB)
+            for i in range(20):
+                a[i] = payload(i, 0)
+            assert rio.register_memory(src.numpy().reshape(20, BB), dst.numpy().reshape(20, BB))
+            assert rio.write_from(refs, a) == [None] * 20
+            b = dst.numpy().reshape(20, BB)
+            assert rio.read_into(refs, b) == [None] * 20
+            assert (a == b).all()
+            hdrs = rio.read_headers([r.slot for r in refs])
+            assert [h.generation for h in hdrs] == [r.generation for r in refs]
+            rio.unregister_memory()
+        finally:
+            src.close()
+            dst.close()
+        st.commit(refs)
+
+
+def test_single_directory_store_fingerprint_unchanged(tmp_path):
+    st = DiskStore.create(str(tmp_path / "s"), LAYOUT1, 10 * SLOT)
+    st.close()
+    fp = json.load(open(tmp_path / "s" / "kvstore.json"))
+    assert "data_dirs" not in fp
+    assert read_fingerprint(str(tmp_path / "s"))[1].num_devices == 1
+    assert os.path.isfile(slot_file_path(str(tmp_path / "s"), 0, 0))
+
+
+def test_data_dirs_mismatch_refused_naming_the_field(tmp_path, disks):
+    _create(tmp_path, disks[:2], nslots=20).close()
+    store = str(tmp_path / "store")
+    for wrong in (disks, disks[:1], [disks[1], disks[0]], [store]):
+        with pytest.raises(LayoutMismatch) as ei:
+            DiskStore(store, LAYOUT, data_dirs=wrong)
+        assert ei.value.field == "data_dirs" and "data_dirs" in str(ei.value)
+        with pytest.raises(LayoutMismatch) as ei:
+            ensure_store(store, LAYOUT, data_dirs=wrong)
+        assert ei.value.field == "data_dirs"
+    ensure_store(store, LAYOUT, data_dirs=disks[:2])       # the same dirs: fine
+    ensure_store(store, LAYOUT)                             # no opinion: fine
+    DiskStore(store, LAYOUT, data_dirs=disks[:2]).close()
+    # a single-directory store refuses data dirs it was not created with
+    DiskStore.create(str(tmp_path / "one"), LAYOUT, 10 * SLOT * 2).close()
+    with pytest.raises(LayoutMismatch, match="data_dirs"):
+        ensure_store(str(tmp_path / "one"), LAYOUT, data_dirs=disks)
+
+
+def test_unusable_data_dirs_refused_with_what_to_do(tmp_path, disks, ramfs, small_fs):
+    store = str(tmp_path / "store")
+    with pytest.raises(StoreNotFound, match=r"does not exist.*mkdir -p"):
+        DiskStore.create(store, LAYOUT, 20 * SLOT * 2, data_dirs=[disks[0], disks[1] + "-nope"])
+    link = str(tmp_path / "link")
+    os.symlink(disks[1], link)
+    with pytest.raises(KVStoreError, match="symlink; give its real path"):
+        DiskStore.create(store, LAYOUT, 20 * SLOT * 2, data_dirs=[disks[0], link])
+    with pytest.raises(KVStoreError, match=r"does not support O_DIRECT.*page_cache"):
+        DiskStore.create(store, LAYOUT, 20 * SLOT * 2, data_dirs=[disks[0], str(ramfs)])
+    with pytest.raises(KVStoreError, match="twice"):
+        DiskStore.create(store, LAYOUT, 20 * SLOT * 2, data_dirs=[disks[0], disks[0] + "/"])
+    assert not os.path.exists(os.path.join(store, "kvstore.json"))
+    # page-cache mode takes a tmpfs directory
+    DiskStore.create(store, LAYOUT, 20 * SLOT * 2, data_dirs=[disks[0], str(small_fs)],
+                     io_mode="page_cache").close()
+    with DiskStore(store, LAYOUT, io=True, io_mode="page_cache", staging_bytes=1 << 20) as st:
+        assert st.put(keys(10), payload) == keys(10)
+        assert len(st.get(keys(10))) == 10
+    # a data directory of another store is refused
+    with pytest.raises(KVStoreError, match="belongs to store"):
+        DiskStore.create(str(tmp_path / "other"), LAYOUT, 20 * SLOT * 2, data_dirs=[disks[0]])
+
+
+def _fill_fs(path) -> None:
+    """Take every free byte of the filesystem at `path` (as another tenant would)."""
+    fd = os.open(os.path.join(path, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for size in (1 << 20, 4096, 512, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def test_full_device_next_to_empty_ones(tmp_path, disks):
+    """Capacity is checked per device at creation: a device without room for its share is
+    refused by name even though the others are empty. Once created, a device filled up by
+    another tenant still takes its (preallocated) slots: stores and loads work."""
+    _fill_fs(os.path.dirname(disks[1]))
+    with pytest.raises(KVStoreError) as ei:
+        _create(tmp_path, disks, nslots=30)
+    assert disks[1] in str(ei.value) and "free" in str(ei.value)
+    assert disks[0] not in str(ei.value) and disks[2] not in str(ei.value)
+    os.unlink(os.path.join(os.path.dirname(disks[1]), "filler"))
+    with _create(tmp_path, disks, nslots=30) as st:
+        for d in disks:
+            _fill_fs(os.path.dirname(d))
+        ks = keys(24)
+        assert st.put(ks, payload) == ks
+        got = st.get(ks)
+        assert [got[k][1] for k in ks] == [payload(i, 1).tobytes() for i in range(24)]
