@@ -1,0 +1,342 @@
+"""Mamba hybrids through vLLM's real scheduler: full attention + sliding window + Mamba
+(vLLM's MambaSpec, mamba_cache_mode "align"), three KV cache groups run by vLLM's
+HybridKVCacheCoordinator, every loaded block (Mamba states included) byte-verified by
+the harness against recompute.
+
+A disk hit is what vLLM's hybrid coordinator accepts: full-attention blocks from the GPU
+hit to the end, the window of sliding-window blocks before the end, and the Mamba state
+at the end (key: the block hash at end - 1 + the Mamba group id). Mamba states are stored
+only from vLLM's boundary hand-offs (by default the prompt's replay boundary,
+(num_prompt - 1) // block_size * block_size).
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from connector_util import (BS, Gate, conn_stats, drop_gpu_cache,  # noqa: E402
+                            flip_payload_byte, kv_config, kv_harness, loads_ok, open_fds,
+                            prompts, sched, set_injector, settle)
+
+from kvstore.errors import ConfigError, LayoutMismatch  # noqa: E402
+
+WINDOW = 32          # tokens: the window before a hit's end is 2 blocks
+MAMBA = {"sliding_window": WINDOW, "mamba": True, "num_layers": 3}
+FULL, SWA, SSM = 0, 1, 2     # group ids
+
+
+def _keys(h, tokens, group):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvstore.layout import block_key
+    req = Request("probe", list(tokens), SamplingParams(max_tokens=1), None,
+                  block_hasher=h._block_hasher)
+    return [block_key(bh, group) for bh in req.block_hashes]
+
+
+def _on_disk(h, keys) -> list[bool]:
+    st = sched(h).store
+    return [st.lookup(k) is not None for k in keys]
+
+
+def _replay(h, ps, **kw):
+    """Empty vLLM's GPU prefix cache, run `ps` again: (stats, tokens hit on disk by it)."""
+    drop_gpu_cache(h)
+    before = h.stats["external_hit_tokens"]
+    s = h.run(ps, **kw)
+    return s, s["external_hit_tokens"] - before
+
+
+def test_three_groups_round_trip_through_a_restart(tmp_path):
+    store = tmp_path / "store"
+    ps = prompts(81, 3, 140)                 # 8 full blocks; replay boundary 128 = block 7
+    with kv_harness(store, **MAMBA) as h:
+        s = sched(h)
+        assert s.hybrid and s.has_mamba
+        assert [k for k, _ in s.group_kinds] == ["full", "swa", "mamba"]
+        assert s.layout.groups == f"full;swa:{WINDOW};mamba:mamba2:3x64,2x16x16:float16,float16"
+        h.run(ps, max_tokens=2)
+        settle(h)
+        for p in ps:
+            assert all(_on_disk(h, _keys(h, p, FULL))) and all(_on_disk(h, _keys(h, p, SWA)))
+            # Mamba: only the state vLLM handed off, the one at the replay boundary.
+            assert _on_disk(h, _keys(h, p, SSM)) == [False] * 7 + [True]
+        s_, hit = _replay(h, ps, max_tokens=2)
+        loads_ok(s_)
+        assert hit == 3 * 8 * BS
+        assert s_["failed_recving"] == 0
+    with kv_harness(store, **MAMBA) as h:      # restart: the GPU cache is empty
+        s_ = h.run(ps, max_tokens=2)
+        loads_ok(s_)
+        assert s_["external_hit_tokens"] == 3 * 8 * BS
+        # Each request loads its 8 full-attention blocks, the 2 window blocks and the
+        # one state at 128, and the harness verified each against recompute.
+        assert s_["blocks_loaded"] == 3 * (8 + WINDOW // BS + 1)
+        assert s_["blocks_verified"] == 3 * (8 + WINDOW // BS + 1)
+        assert s_["invalid_block_ids"] == 0 and s_["failed_recving"] == 0
+
+
+def test_a_hit_ends_at_the_last_stored_mamba_state(tmp_path):
+    """States on disk at 128 (prompt a) and 192 (prompt c = a + 60 tokens). A prompt that
+    shares c's first 176 tokens has full-attention and window blocks on disk up to 176,
+    but the longest end with a state is 128: the hit is exactly 128 tokens. A prompt
+    sharing only 96 tokens has no state on disk at or before 96: no hit at all."""
+    store = tmp_path / "store"
+    a = prompts(82, 1, 140)[0]
+    tail = prompts(83, 1, 60)[0]
+    c = a + tail
+    with kv_harness(store, **MAMBA) as h:
+        h.run([a], max_tokens=1)
+        settle(h)
+        h.run([c], max_tokens=1)
+        settle(h)
+        ssm = _on_disk(h, _keys(h, c, SSM))
+        assert [i for i, x in enumerate(ssm) if x] == [7, 11]
+        d = c[:176] + prompts(84, 1, 40)[0]
+        assert all(_on_disk(h, _keys(h, d, FULL)[:11]))
+        assert all(_on_disk(h, _keys(h, d, SWA)[:11]))
+        s, hit = _replay(h, [d], max_tokens=1)
+        loads_ok(s)
+        assert hit == 128
+        e = c[:96] + prompts(85, 1, 60)[0]
+        s, hit = _replay(h, [e], max_tokens=1)
+        assert hit == 0 and s["blocks_mismatched"] == 0
+        # The state of a full 12-block hit is on disk: c itself hits 192 tokens.
+        s, hit = _replay(h, [c], max_tokens=1)
+        loads_ok(s)
+        assert hit == 192
+
+
+def test_a_hit_moves_back_when_the_state_is_dropped(tmp_path):
+    """With the state at 128 dropped from disk, the same prompt finds no state at or
+    before its end: a miss (not a hit without its state), recomputed and stored again."""
+    store = tmp_path / "store"
+    p = prompts(86, 1, 140)[0]
+    with kv_harness(store, **MAMBA) as h:
+        h.run([p], max_tokens=1)
+        settle(h)
+        key = _keys(h, p, SSM)[7]
+        sched(h).index.drop([key])
+        sched(h).index.flush()
+        s, hit = _replay(h, [p], max_tokens=1)
+        assert hit == 0 and s["blocks_mismatched"] == 0
+        settle(h)
+        assert _on_disk(h, [key]) == [True]      # handed off again, stored again
+        s, hit = _replay(h, [p], max_tokens=1)
+        loads_ok(s)
+        assert hit == 8 * BS
+
+
+def test_a_corrupt_mamba_slot_fails_the_request_through_failed_recving(tmp_path):
+    """A corrupt state slot fails the request's load (failed_recving), the request
+    recomputes with no mismatch, the entry is dropped, and the recomputed state is
+    stored again (a later pass loads it cleanly)."""
+    store = tmp_path / "store"
+    p = prompts(87, 1, 140)[0]
+    with kv_harness(store, **MAMBA) as h:
+        h.run([p], max_tokens=1)
+        settle(h)
+        key = _keys(h, p, SSM)[7]
+        entry = sched(h).store.lookup(key)
+        flip_payload_byte(store, 0, entry.slot, byte=100)   # inside the state's bytes
+        drop_gpu_cache(h)
+        before = dict(h.stats)
+        s = h.run([p], max_tokens=2)
+        assert s["failed_recving"] - before["failed_recving"] == 1
+        assert s["invalid_block_ids"] == before["invalid_block_ids"]
+        assert s["external_hit_tokens"] == before["external_hit_tokens"] + 8 * BS
+        assert s["blocks_mismatched"] == 0          # recomputed, never served corrupt
+        settle(h)
+        assert conn_stats(h)["load_failures"] == 8 + WINDOW // BS + 1
+        new = sched(h).store.lookup(key)
+        assert new is not None and (new.slot, new.generation) != (entry.slot, entry.generation)
+        s, hit = _replay(h, [p], max_tokens=1)
+        loads_ok(s)
+        assert hit == 8 * BS and s["failed_recving"] == before["failed_recving"] + 1
+
+
+@pytest.mark.parametrize("old", [dict(sliding_window=WINDOW, num_layers=2),
+                                 dict(mamba=True, num_layers=2)])
+def test_a_store_of_another_group_structure_is_refused_naming_groups(tmp_path, old):
+    """A full + sliding-window (or full + Mamba) store, opened by a three-group engine of
+    the same per-group geometry: refused, the field named, nothing left open."""
+    from kvstore.testing import EngineHarness
+    store = tmp_path / "store"
+    with kv_harness(store, **old) as h:
+        h.run(prompts(88, 1, 40), max_tokens=1)
+        settle(h)
+        groups = sched(h).layout.groups
+    before = open_fds()
+    with pytest.raises(LayoutMismatch) as ei:
+        EngineHarness(kv_transfer_config=kv_config(store), workdir=str(tmp_path), **MAMBA)
+    assert ei.value.field == "groups"
+    assert "groups" in str(ei.value) and groups in str(ei.value)
+    assert not open_fds() - before
+
+
+def test_preemption_under_gpu_pressure_keeps_every_state_right(tmp_path):
+    store = tmp_path / "store"
+    ps = prompts(89, 4, 140)
+    with kv_harness(store, num_gpu_blocks=40, max_num_batched_tokens=64, **MAMBA) as h:
+        preempt, count = h.scheduler._preempt_request, []
+
+        def counting(*a, **k):
+            count.append(1)
+            return preempt(*a, **k)
+
+        h.scheduler._preempt_request = counting
+        h.run(ps, max_tokens=24)
+        settle(h)
+        first = len(count)
+        s, hit = _replay(h, ps, max_tokens=24)
+        loads_ok(s)
+        assert count, "the cache is meant to be too small for all requests at once"
+        assert hit >= 8 * BS and s["blocks_mismatched"] == 0
+        assert len(count) >= first
+
+
+def test_abort_while_a_mamba_load_is_in_flight(tmp_path):
+    """Loads of all three groups held at the disk; two of three requests aborted
+    meanwhile: every pin stays until the worker reports, then goes; the third request is
+    served from disk, its state byte-verified."""
+    store = tmp_path / "store"
+    ps = prompts(90, 3, 100)                 # 6 full blocks, 2 window blocks, 1 state
+    per_req = 6 + WINDOW // BS + 1
+    with kv_harness(store, **MAMBA) as h:
+        h.run(ps, max_tokens=1)
+        settle(h)
+        drop_gpu_cache(h)
+        gate = Gate("read")
+        set_injector(h, gate)
+        rids = [h.add_request(p, max_tokens=4) for p in ps]
+        h.step()
+        s = sched(h)
+        assert set(s._inflight_loads) == set(rids)
+        assert s.index.pinned_slots == 3 * per_req
+        h.abort(rids[:2])
+        for _ in range(5):
+            h.step()
+        assert s.index.pinned_slots == 3 * per_req
+        gate.wait_hit()
+        gate.open()
+        h.drain()
+        set_injector(h, None)
+        assert s.index.pinned_slots == 0
+        assert rids[2] in h.finished and rids[0] not in h.finished
+        assert h.stats["blocks_mismatched"] == 0 and h.stats["failed_recving"] == 0
+        assert h.stats["external_hit_tokens"] >= 6 * BS
+
+
+def test_a_mamba_lookup_that_fails_midway_leaves_no_pin(tmp_path, monkeypatch):
+    """Full and window blocks pinned, then the Mamba group's lookup raises: a miss,
+    nothing pinned, the request recomputes."""
+    from kvstore.errors import KVStoreError
+    store = tmp_path / "store"
+    p = prompts(91, 1, 140)[0]
+    with kv_harness(store, **MAMBA) as h:
+        h.run([p], max_tokens=1)
+        settle(h)
+        drop_gpu_cache(h)
+        ix = sched(h).index
+        orig = ix.lookup_hashes
+        calls = []
+
+        def flaky(hashes, lo, end, group=0):
+            calls.append(group)
+            if group == SSM:
+                raise KVStoreError("injected")
+            return orig(hashes, lo, end, group)
+        monkeypatch.setattr(ix, "lookup_hashes", flaky)
+        before = dict(h.stats)
+        s = h.run([p], max_tokens=1)
+        assert SSM in calls and FULL in calls
+        assert s["external_hit_tokens"] == before["external_hit_tokens"]
+        assert ix.pinned_slots == 0 and s["blocks_mismatched"] == 0
+        monkeypatch.undo()
+
+
+def test_lazy_policy_stores_mamba_states_from_the_hand_offs(tmp_path):
+    """With store_policy lazy, attention blocks are stored as vLLM is about to evict
+    them, and Mamba states only from the hand-offs (the free queue's Mamba blocks are
+    never taken, however long they wait there); a restart hits the whole prefix."""
+    store = tmp_path / "store"
+    ps = prompts(92, 2, 140)
+    lazy = {"extra": {"store_policy": "lazy"}, "num_gpu_blocks": 32}
+    with kv_harness(store, **lazy, **MAMBA) as h:
+        h.run(ps, max_tokens=1)
+        settle(h)
+        # Push the prompts' blocks through the head of the free queue and out.
+        h.run(prompts(93, 4, 120), max_tokens=1)
+        settle(h)
+        for p in ps:
+            assert all(_on_disk(h, _keys(h, p, FULL)))
+            assert _on_disk(h, _keys(h, p, SSM)) == [False] * 7 + [True]
+    with kv_harness(store, **lazy, **MAMBA) as h:
+        s = h.run(ps, max_tokens=1)
+        loads_ok(s)
+        assert s["external_hit_tokens"] == 2 * 8 * BS
+
+
+# -- refusals at start ------------------------------------------------------------------
+
+def _groups(*specs):
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+    return [KVCacheGroupSpec([f"l{g}"], s) for g, s in enumerate(specs)]
+
+
+def _specs(mode="align", mamba_bs=16, spec_blocks=0, layers=1):
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    swa = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=16,
+                            dtype=torch.float16, sliding_window=WINDOW)
+    ssm = MambaSpec(block_size=mamba_bs, shapes=((3, 64),), dtypes=(torch.float16,),
+                    page_size_padded=full.page_size_bytes, mamba_cache_mode=mode,
+                    num_speculative_blocks=spec_blocks)
+    return full, swa, ssm
+
+
+def test_a_served_three_group_layout_names_every_group():
+    from kvstore.vllm.config import check_kv_cache_groups, kv_group_kinds
+    full, swa, ssm = _specs()
+    groups = _groups(full, swa, ssm)
+    assert check_kv_cache_groups(groups) == f"full;swa:{WINDOW};mamba:mamba2:3x64:float16"
+    assert kv_group_kinds(groups) == [("full", 0), ("swa", WINDOW - 1), ("mamba", 0)]
+    assert check_kv_cache_groups(_groups(full, ssm)) == "full;mamba:mamba2:3x64:float16"
+
+
+@pytest.mark.parametrize("kw, groups, words", [
+    (dict(mode="none"), "fsm", ["--enable-prefix-caching", "mamba_cache_mode=none"]),
+    (dict(mamba_bs=64), "fsm", ["--mamba-block-size", "block sizes [16, 64]"]),
+    (dict(spec_blocks=1), "fsm", ["speculative", "num_speculative_blocks=1"]),
+    (dict(), "sm", ["next to full-attention"]),
+])
+def test_mamba_setups_kvstore_cannot_serve_are_refused_saying_what_to_do(kw, groups, words):
+    from kvstore.vllm.config import check_kv_cache_groups
+    full, swa, ssm = _specs(**kw)
+    pick = {"f": full, "s": swa, "m": ssm}
+    with pytest.raises(ConfigError) as ei:
+        check_kv_cache_groups(_groups(*(pick[c] for c in groups)))
+    msg = str(ei.value)
+    assert "MambaSpec" in msg and "remove the kvstore connector" in msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_a_mamba_view_that_does_not_overlay_the_carrier_is_refused(tmp_path):
+    """check_groups_alias on the harness's real tensors passes; the same Mamba view
+    moved by one block, or stepping by another stride, is refused naming the layer."""
+    from kvstore.testing import EngineHarness
+    from kvstore.transfer import check_groups_alias
+    with EngineHarness(**MAMBA) as h:
+        kv = dict(h.ranks[0].kv_caches)
+        cfg = h.kv_cache_config
+        check_groups_alias(kv, cfg, 0)
+        name = cfg.kv_cache_groups[SSM].layer_names[0]
+        v = kv[name]
+        assert tuple(v.shape) == (h.num_gpu_blocks, 1, 1, h.mamba_state_bytes)
+        for bad in (v[1:], v.as_strided(v.shape, (v.stride(0) // 2,) + v.stride()[1:])):
+            with pytest.raises(ConfigError, match=name):
+                check_groups_alias({**kv, name: bad}, cfg, 0)
