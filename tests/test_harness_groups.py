@@ -209,3 +209,90 @@ def test_preemption_with_a_small_cache_verifies_every_resume():
         assert st["local_hit_tokens"] > 0 and st["blocks_verified"] > 0
         assert st["blocks_mismatched"] == 0
         h.assert_no_leaks()
+
+
+# -- three groups: full attention + sliding window + Mamba ("align") -----------------
+
+MAMBA = dict(num_layers=3, sliding_window=32, mamba=True)
+
+
+def test_three_groups_are_planned_and_allocated_like_vllm():
+    import torch
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    with EngineHarness(num_gpu_blocks=32, **MAMBA) as h:
+        cfg = h.kv_cache_config
+        assert h.vllm_config.cache_config.mamba_cache_mode == "align"
+        coord = h.scheduler.kv_cache_manager.coordinator
+        assert isinstance(coord, HybridKVCacheCoordinator)
+        assert isinstance(coord.single_type_managers[2], MambaManager)
+        g0, g1, g2 = cfg.kv_cache_groups
+        assert [type(g.kv_cache_spec) for g in (g0, g1, g2)] == \
+            [FullAttentionSpec, SlidingWindowSpec, MambaSpec]
+        ssm = g2.kv_cache_spec
+        assert ssm.mamba_cache_mode == "align" and ssm.block_size == BS
+        assert ssm.page_size_bytes == g0.kv_cache_spec.page_size_bytes == 2048
+        assert ssm.real_page_size_bytes == h.mamba_state_bytes == 1408
+        assert h.group_is_mamba == [False, False, True]
+        assert all(t.offset == 0 for t in cfg.kv_cache_tensors)
+        kv = h.ranks[0].kv_caches
+        full, swa, state = (kv[g.layer_names[0]] for g in (g0, g1, g2))
+        # The Mamba view: one state per block, raw int8, on the attention page.
+        assert tuple(state.shape) == (32, 1, 1, 1408) and state.dtype == torch.int8
+        assert state.stride(0) == full.stride(0) * full.element_size() == 2048
+        assert state.data_ptr() == full.data_ptr() == swa.data_ptr()
+
+
+def test_second_pass_verifies_the_mamba_state_at_the_hit():
+    length, n = 140, 3
+    hit = (length - 1) // BS * BS      # 128: the replay boundary, whose state vLLM keeps
+    with EngineHarness(max_num_batched_tokens=64, **MAMBA) as h:
+        prompts = _prompts(6, n, length)
+        st = h.run(prompts, max_tokens=3)
+        assert st["blocks_verified"] == 0
+        st = h.run(prompts, max_tokens=3)
+        assert st["local_hit_tokens"] == n * hit
+        # full: 8 blocks; window (31 tokens before 128): 2; Mamba: the one state.
+        assert st["blocks_verified"] == n * (8 + 2 + 1)
+        assert st["blocks_mismatched"] == 0 and st["blocks_loaded"] == 0
+        h.assert_no_leaks()
+
+
+def test_a_corrupt_mamba_state_is_detected_and_its_padding_is_not_read():
+    length = 140
+    with EngineHarness(**MAMBA) as h:
+        (prompt,) = _prompts(7, 1, length)
+        rid = h.add_request(prompt, max_tokens=1)
+        h.drain()
+        blk = h.block_tables(rid)[2][7]          # the state after 128 tokens
+        layer = h.layers_of_group(2)[0]
+        bv = h.ranks[0].byte_views[layer]
+        # A byte of the padding after the state (the page is the attention page): not
+        # part of the state, not checked.
+        pad = bv.as_strided((1,), (1,), bv.storage_offset() + blk * bv.stride(0)
+                            + h.mamba_state_bytes)
+        was = int(pad[0])
+        pad ^= 0xFF
+        assert int(pad[0]) == was ^ 0xFF and bv[blk, 0, 0].numel() == h.mamba_state_bytes
+        st = h.run([prompt], max_tokens=1)
+        assert st["local_hit_tokens"] == 128 and st["blocks_mismatched"] == 0
+        # A byte of the state itself: detected on the next hit.
+        h.corrupt_block(blk, layer=layer, byte=h.mamba_state_bytes - 1)
+        st = h.run([prompt], max_tokens=1)
+        assert st["local_hit_tokens"] == 256 and st["blocks_mismatched"] == 1
+        m = h.mismatches[0]
+        assert (m["group"], m["layer"], m["block_id"], m["position"], m["state"]) == \
+            (2, layer, blk, 128, True)
+
+
+def test_mamba_harness_arguments_are_checked():
+    with pytest.raises(ValueError, match="multiple of 3"):
+        EngineHarness(num_layers=4, sliding_window=32, mamba=True)
+    with EngineHarness(num_layers=2, mamba=True) as h:     # full + Mamba: two groups
+        assert h.group_kinds == ["full", "mamba"] and h.num_groups == 2
+        st = h.run(_prompts(8, 2, 70), max_tokens=2)
+        st = h.run(_prompts(8, 2, 70), max_tokens=2)
+        assert st["local_hit_tokens"] == 2 * 64 and st["blocks_mismatched"] == 0
+        assert st["blocks_verified"] == 2 * (4 + 1)
