@@ -89,7 +89,8 @@ class ServingIndex:
         # The pool may hold at most half of a (tiny) store: its slots hold no data.
         self.pool_target = max(1, min(pool_target, self.capacity // 2))
         self._lock = threading.Lock()
-        self._pins: dict[int, int] = {}    # slot -> pin count (`pin_counts_*`, in C)
+        # The table also holds the pins (a count per slot, in C): a lookup pins its hit in
+        # the walk that finds it, the eviction claim reads them without Python objects.
         self._table = KeyTable(self.capacity)
         self._ready = False
         # The pool: reserved (slot, generation) pairs, as two parallel lists (taken by
@@ -133,12 +134,12 @@ class ServingIndex:
             entries = self.index.longest_prefix(keys)   # LMDB read txn, until the table is built
             slots, gens = [e.slot for e in entries], [e.generation for e in entries]
             with self._lock:
-                pin_counts_add(self._pins, slots)
+                self._table.pin(slots)
             return slots, gens
         with self._lock:
             slots, gens = self._table.prefix(keys)
             if slots:
-                pin_counts_add(self._pins, slots)
+                self._table.pin(slots)
         return slots, gens
 
     def contains(self, key: bytes) -> bool:
@@ -157,11 +158,8 @@ class ServingIndex:
         of `hashes` (vLLM block hashes of KV cache group `group`); the slots are pinned."""
         if not self._ready:
             return self._lookup_hashes_lmdb(hashes, start, stop, group)
-        with self._lock:
-            keys, slots, gens = self._table.prefix_of(hashes, start, stop, group)
-            if slots:
-                pin_counts_add(self._pins, slots)
-        return keys, slots, gens
+        with self._lock:    # found and pinned in one C walk
+            return self._table.prefix_of(hashes, start, stop, group, True)
 
     def present(self, hashes: list, start: int, stop: int, group: int = 0) -> bytes:
         """A flag per block start..stop: its key is stored (not pinned; see lookup_hashes)."""
@@ -204,12 +202,15 @@ class ServingIndex:
         return keys, bids, idx
 
     def pin(self, slots: Iterable[int]) -> None:
+        slots = slots if isinstance(slots, list) else list(slots)
         with self._lock:
-            pin_counts_add(self._pins, list(slots))
+            self._table.pin(slots)
 
     def unpin(self, slots: Iterable[int]) -> None:
-        with self._lock:
-            pin_counts_remove(self._pins, list(slots))
+        slots = slots if isinstance(slots, list) else list(slots)
+        if slots:
+            with self._lock:
+                self._table.unpin(slots)
 
     def pooled(self) -> list[tuple[int, int]]:
         """(slot, generation) of the reserved slots in the pool (tests, `info`)."""
@@ -218,7 +219,12 @@ class ServingIndex:
 
     @property
     def pinned_slots(self) -> int:
-        return len(self._pins)
+        return self._table.pinned_slots
+
+    def pin_counts(self) -> dict[int, int]:
+        """{slot: pin count} (tests, diagnostics)."""
+        with self._lock:
+            return self._table.pins_dict()
 
     def take(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
         """(slots, generations): a reserved slot for each of keys, in order, from the pool;
@@ -441,11 +447,11 @@ class ServingIndex:
 
     def _claim(self, removed: list):
         """reserve_pool's claim: refuse pinned slots; evicted keys leave the table first."""
-        table, pins = self._table, self._pins
+        table = self._table
 
         def claim(cands):
             with self._lock:        # one C call: the step thread waits microseconds at most
-                taken, gone = table.claim(cands, pins, self._ready)
+                taken, gone = table.claim(cands, self._ready)
             removed.extend(gone)
             return taken
         return claim
@@ -576,6 +582,19 @@ class SyncServingIndex(ServingIndex):
         slots = [e.slot for e in entries]
         pin_counts_add(self._pins, slots)
         return slots, [e.generation for e in entries]
+
+    def pin(self, slots):
+        pin_counts_add(self._pins, list(slots))
+
+    def unpin(self, slots):
+        pin_counts_remove(self._pins, list(slots))
+
+    @property
+    def pinned_slots(self):
+        return len(self._pins)
+
+    def pin_counts(self):
+        return dict(self._pins)
 
     def contains(self, key):
         return self.index.lookup(key) is not None

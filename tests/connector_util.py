@@ -177,7 +177,7 @@ def assert_quiescent(h, store: str | None = None, before: set[str] | None = None
     settle(h)
     h.assert_no_leaks()
     s = sched(h)
-    assert s.index.pinned_slots == 0, f"pinned slots left: {dict(s.index._pins)}"
+    assert s.index.pinned_slots == 0, f"pinned slots left: {s.index.pin_counts()}"
     assert not s._candidates and not s._pending_loads and not s._inflight_loads, \
         (s._candidates, s._pending_loads, s._inflight_loads)
     assert not s._inflight_stores and not s._storing_keys

@@ -34,7 +34,7 @@ def test_prefix_reuse_across_requests(tmp_path):
         s = sched(h)
         assert set(s._inflight_loads) == set(rids)
         assert s.index.pinned_slots == 6
-        assert set(s.index._pins.values()) == {3}
+        assert set(s.index.pin_counts().values()) == {3}
         h.drain()
         st = h.stats
         loads_ok(st)

@@ -72,6 +72,33 @@ def test_keytable_matches_a_dict_under_random_operations():
             full.put(b"%d" % i, i, i)
 
 
+
+def test_keytable_pins_counts_and_the_walk_that_pins():
+    """Pins live in the table (a count per slot): a pinned walk pins its hit, claims never
+    take a pinned slot, unpinning what is not pinned is a no-op, slots are range-checked."""
+    t = KeyTable(64)
+    hashes = [b"h%031d" % i for i in range(40)]
+    for i, h in enumerate(hashes[:30]):
+        t.put(h + b"\x00\x00\x00\x00", i, 100 + i)
+    keys, slots, gens = t.prefix_of(hashes, 0, 40, 0, True)    # batches of 32 + a miss
+    assert slots == list(range(30)) and gens == [100 + i for i in range(30)]
+    assert keys == [h + b"\x00\x00\x00\x00" for h in hashes[:30]]
+    assert t.pinned_slots == 30
+    t.pin([3, 3, 31])
+    assert t.pin_count(3) == 3 and t.pin_count(31) == 1 and t.pinned_slots == 31
+    taken, removed = t.claim([(keys[3], 3), (keys[4], 4), (None, 31), (None, 40)])
+    assert taken == {40} and removed == [] and len(t) == 30
+    t.unpin(slots)
+    t.unpin([5, 63])                   # not pinned (any more): ignored
+    assert t.pins_dict() == {3: 2, 31: 1}
+    taken, removed = t.claim([(keys[4], 4), (keys[3], 3)])
+    assert taken == {4} and removed == [(keys[4], 4, 104)] and keys[4] not in t
+    assert t.prefix_of(hashes, 0, 40, 0, False)[1] == [0, 1, 2, 3]   # 4 left: the walk stops
+    assert t.pinned_slots == 2
+    with pytest.raises(ValueError, match="outside"):
+        t.pin([64])
+    assert t.pinned_slots == 2
+
 def test_commit_is_a_hit_only_once_applied_and_survives_reopen(tmp_path):
     st = make(tmp_path, 64)
     ix = ServingIndex(st, pool_target=8)

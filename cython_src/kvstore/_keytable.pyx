@@ -7,9 +7,15 @@
 # fingerprint with probability ~2^-96 per pair, and even then a load reads the slot's
 # header, which names the real key, so a wrong hit is recomputed, never served.
 # A prefix walk costs one hash and (mostly) one cache miss per key; a miss stops it.
+#
+# The table also holds the pins: a count per slot (a C array of the store's capacity, 4
+# bytes a slot), so a lookup pins its hit in the same C call that finds it and the index
+# thread's eviction claim checks pins without a Python object per slot.
 from libc.stdint cimport uint32_t, uint64_t
+from libc.stdlib cimport calloc, free
 from libc.string cimport memset, memcpy
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_Check, PyBytes_FromStringAndSize
+from cpython.long cimport PyLong_Check
 
 cdef extern from "xxhash.h" nogil:
     ctypedef struct XXH128_hash_t:
@@ -59,6 +65,8 @@ cdef class KeyTable:
     cdef uint64_t mask
     cdef readonly Py_ssize_t capacity
     cdef Py_ssize_t n
+    cdef uint32_t *pins         # pin count per slot, [0, capacity)
+    cdef Py_ssize_t npinned     # slots whose count is > 0
 
     def __cinit__(self, Py_ssize_t capacity):
         if capacity < 1:
@@ -81,11 +89,18 @@ cdef class KeyTable:
         self.mask = size - 1
         self.capacity = capacity
         self.n = 0
+        self.pins = <uint32_t *>calloc(<size_t>capacity, sizeof(uint32_t))
+        if self.pins == NULL:
+            raise MemoryError(f"KeyTable: cannot allocate pin counts for {capacity} slots")
+        self.npinned = 0
 
     def __dealloc__(self):
         if self.t != NULL:
             munmap(self.t, self.tbytes)
         self.t = NULL
+        if self.pins != NULL:
+            free(self.pins)
+        self.pins = NULL
 
     def __len__(self):
         return self.n
@@ -93,6 +108,63 @@ cdef class KeyTable:
     @property
     def nbytes(self):
         return (self.mask + 1) * sizeof(Bucket)
+
+    cdef inline void _prefetch(self, uint64_t fp) noexcept nogil:
+        # a 24-byte bucket straddles two cache lines one time in four: fetch both
+        cdef const char *p = <const char *>&self.t[fp & self.mask]
+        KT_PREFETCH(p)
+        KT_PREFETCH(p + sizeof(Bucket) - 1)
+
+    # -- pins: a count per slot; eviction (`claim`) never takes a pinned slot ----------
+    cdef inline int _pin_slot(self, object s) except -1:
+        cdef long long v = s
+        if v < 0 or v >= self.capacity:
+            raise ValueError(f"slot {v} outside the table's capacity {self.capacity}")
+        if self.pins[v] == 0:
+            self.npinned += 1
+        self.pins[v] += 1
+        return 0
+
+    cdef inline int _unpin_slot(self, object s) except -1:
+        cdef long long v = s
+        if v < 0 or v >= self.capacity or self.pins[v] == 0:
+            return 0        # not pinned (as a dict of counts would ignore it)
+        self.pins[v] -= 1
+        if self.pins[v] == 0:
+            self.npinned -= 1
+        return 0
+
+    def pin(self, list slots):
+        """Pin count += 1 for each slot (a slot may appear more than once)."""
+        cdef object s
+        for s in slots:
+            self._pin_slot(s)
+
+    def unpin(self, list slots):
+        """Pin count -= 1 for each slot; unpinned slots are ignored."""
+        cdef object s
+        for s in slots:
+            self._unpin_slot(s)
+
+    def pin_count(self, long long slot):
+        if slot < 0 or slot >= self.capacity:
+            return 0
+        return self.pins[slot]
+
+    def pins_dict(self):
+        """{slot: pin count} of every pinned slot (tests, diagnostics: scans the array)."""
+        cdef dict out = {}
+        cdef Py_ssize_t v
+        if self.npinned:
+            for v in range(self.capacity):
+                if self.pins[v]:
+                    out[v] = self.pins[v]
+        return out
+
+    @property
+    def pinned_slots(self):
+        """Slots pinned at least once."""
+        return self.npinned
 
     cdef inline Py_ssize_t _find(self, uint64_t fp, uint32_t fp2):
         cdef uint64_t i = fp & self.mask
@@ -196,7 +268,7 @@ cdef class KeyTable:
                 if not PyBytes_Check(k):
                     raise TypeError(f"KeyTable keys are bytes, got {type(k).__name__}")
                 _fingerprint(<bytes>k, &fps[j - start], &fp2s[j - start])
-                KT_PREFETCH(&self.t[fps[j - start] & self.mask])
+                self._prefetch(fps[j - start])
             for j in range(stop - start):
                 i = self._find(fps[j], fp2s[j])
                 if i < 0:
@@ -245,36 +317,63 @@ cdef class KeyTable:
     # walks build each key in a stack buffer, so a block that is skipped (a miss ends a
     # lookup; a block already stored is not planned again) costs no Python object at all.
 
-    def prefix_of(self, list hashes, Py_ssize_t start, Py_ssize_t stop, uint32_t group=0):
+    def prefix_of(self, list hashes, Py_ssize_t start, Py_ssize_t stop, uint32_t group=0,
+                  bint pin=False):
         """(keys, slots, generations) of the longest prefix of blocks start..stop of
-        `hashes` (vLLM block hashes) whose keys (hash + group) are in the table. Only the
-        hit keys are made as bytes."""
+        `hashes` (vLLM block hashes) whose keys (hash + group) are in the table; with `pin`
+        their slots are pinned in the same walk. Only the hit keys are made as bytes.
+
+        Software-pipelined: batch k+1 is hashed and its buckets prefetched before batch k
+        is probed, so the cache misses of two batches are in flight together."""
         cdef list keys = [], slots = [], gens = []
-        cdef uint64_t fps[BATCH]
-        cdef uint32_t fp2s[BATCH]
-        cdef unsigned char buf[BATCH][KEY_MAX]
-        cdef Py_ssize_t lens[BATCH]
-        cdef Py_ssize_t b, e, j, i
+        cdef uint64_t fps[2][BATCH]
+        cdef uint32_t fp2s[2][BATCH]
+        cdef unsigned char buf[2][BATCH][KEY_MAX]
+        cdef Py_ssize_t lens[2][BATCH]
+        cdef Py_ssize_t b, e, nb, ne, j, i, x
+        cdef int cur = 0
         if start < 0:
             start = 0
         if stop > len(hashes):
             stop = len(hashes)
+        if stop <= start:
+            return keys, slots, gens
         b = start
+        e = min(stop, b + BATCH)
+        self._hash_batch(hashes, b, e, group, buf[0], lens[0], fps[0], fp2s[0])
         while b < stop:
-            e = min(stop, b + BATCH)
-            for j in range(b, e):
-                lens[j - b] = _make_key(hashes[j], group, buf[j - b])
-                _fingerprint_raw(buf[j - b], lens[j - b], &fps[j - b], &fp2s[j - b])
-                KT_PREFETCH(&self.t[fps[j - b] & self.mask])
+            nb = e
+            ne = min(stop, nb + BATCH)
+            if nb < ne:
+                self._hash_batch(hashes, nb, ne, group, buf[1 - cur], lens[1 - cur],
+                                 fps[1 - cur], fp2s[1 - cur])
             for j in range(e - b):
-                i = self._find(fps[j], fp2s[j])
+                i = self._find(fps[cur][j], fp2s[cur][j])
                 if i < 0:
                     return keys, slots, gens
-                keys.append(PyBytes_FromStringAndSize(<char *>buf[j], lens[j]))
-                slots.append(self.t[i].slot)
+                keys.append(PyBytes_FromStringAndSize(<char *>buf[cur][j], lens[cur][j]))
+                x = self.t[i].slot
+                if pin:
+                    if x >= self.capacity:
+                        raise ValueError(f"slot {x} outside the table's capacity {self.capacity}")
+                    if self.pins[x] == 0:
+                        self.npinned += 1
+                    self.pins[x] += 1
+                slots.append(x)
                 gens.append(self.t[i].gen)
-            b = e
+            b, e = nb, ne
+            cur = 1 - cur
         return keys, slots, gens
+
+    cdef int _hash_batch(self, list hashes, Py_ssize_t b, Py_ssize_t e, uint32_t group,
+                         unsigned char (*buf)[KEY_MAX], Py_ssize_t *lens, uint64_t *fps,
+                         uint32_t *fp2s) except -1:
+        cdef Py_ssize_t j
+        for j in range(b, e):
+            lens[j - b] = _make_key(hashes[j], group, buf[j - b])
+            _fingerprint_raw(buf[j - b], lens[j - b], &fps[j - b], &fp2s[j - b])
+            self._prefetch(fps[j - b])
+        return 0
 
     def present(self, list hashes, Py_ssize_t start, Py_ssize_t stop, uint32_t group=0):
         """bytes of stop - start flags: 1 where block j's key (hash + group) is in the
@@ -301,14 +400,16 @@ cdef class KeyTable:
         """Blocks start..stop of `hashes` to store: (keys, block ids, block indices) of
         those whose key is neither in the table (already stored) nor in `skip` (being
         stored); at most `limit` of them. Their keys are added to `skip` (the caller
-        removes the ones it does not keep)."""
+        removes the ones it does not keep). `block_ids` holds ints or vLLM's
+        `KVCacheBlock` objects (the request's block list as vLLM keeps it: only the
+        planned blocks' `block_id` is read, no id list of the whole request is made)."""
         cdef list keys = [], bids = [], idx = []
         cdef uint64_t fps[BATCH]
         cdef uint32_t fp2s[BATCH]
         cdef unsigned char buf[BATCH][KEY_MAX]
         cdef Py_ssize_t lens[BATCH]
         cdef Py_ssize_t b, e, j
-        cdef object key
+        cdef object key, bid
         if start < 0:
             start = 0
         if stop > len(hashes):
@@ -322,7 +423,7 @@ cdef class KeyTable:
                 for j in range(b, e):       # hash the batch, prefetch its buckets, then probe
                     lens[j - b] = _make_key(hashes[j], group, buf[j - b])
                     _fingerprint_raw(buf[j - b], lens[j - b], &fps[j - b], &fp2s[j - b])
-                    KT_PREFETCH(&self.t[fps[j - b] & self.mask])
+                    self._prefetch(fps[j - b])
                 for j in range(e - b):
                     if len(keys) >= limit:
                         break
@@ -331,7 +432,8 @@ cdef class KeyTable:
                     key = PyBytes_FromStringAndSize(<char *>buf[j], lens[j])
                     if key in skip:
                         continue
-                    bids.append(block_ids[b + j])
+                    bid = block_ids[b + j]
+                    bids.append(bid if PyLong_Check(bid) else bid.block_id)
                     skip.add(key)
                     keys.append(key)
                     idx.append(b + j)
@@ -341,24 +443,26 @@ cdef class KeyTable:
             raise
         return keys, bids, idx
 
-    def claim(self, list cands, dict pins, bint ready=True):
+    def claim(self, list cands, bint ready=True):
         """The index thread's eviction claim, in one C call (the step thread never waits
-        on it): of (key or None, slot) candidates, take every slot not in `pins`; a taken
-        slot's key leaves the table when it maps to that slot (when `ready`). Returns
-        (taken slots as a set, removed (key, slot, generation) list)."""
+        on it): of (key or None, slot) candidates, take every slot that is not pinned; a
+        taken slot's key leaves the table when it maps to that slot (when `ready`).
+        Returns (taken slots as a set, removed (key, slot, generation) list)."""
         cdef set taken = set()
         cdef list removed = []
         cdef object key, slot
+        cdef long long v
         cdef uint64_t fp
         cdef uint32_t fp2
         cdef Py_ssize_t i
         for key, slot in cands:
-            if slot in pins:
+            v = slot
+            if 0 <= v < self.capacity and self.pins[v] != 0:
                 continue
             if key is not None and ready:
                 _fingerprint(<bytes?>key, &fp, &fp2)
                 i = self._find(fp, fp2)
-                if i >= 0 and self.t[i].slot == <uint32_t>slot:
+                if i >= 0 and self.t[i].slot == <uint32_t>v:
                     removed.append((key, slot, self.t[i].gen))
                     self._delete_at(<uint64_t>i)
             taken.add(slot)

@@ -382,7 +382,7 @@ class KVStoreScheduler:
             return
         self.index.unpin(slots[n:])
         keys, slots, gens = keys[:n], slots[:n], gens[:n]
-        block_ids = list(blocks.get_block_ids()[0][start:start + n])
+        block_ids = [b.block_id for b in blocks.blocks[0][start:start + n]]
         if len(block_ids) != n:
             self.index.unpin(slots)
             self._warn_once("load planning", KVStoreError(f"expected {n} blocks, got {len(block_ids)}"))
@@ -418,8 +418,12 @@ class KVStoreScheduler:
             room = limit - len(keys)
             if room <= 0:
                 break
-            block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
-            k, b, idx = self.index.plan_new(req.block_hashes, first, nfull, block_ids,
+            # vLLM's own block list (KVCacheBlock objects): the C walk reads the block id
+            # of the planned blocks only, not a list of ids of the whole request.
+            blocks = self._kv_cache_manager.get_blocks(req_id).blocks[0]
+            if not isinstance(blocks, list):
+                blocks = list(blocks)
+            k, b, idx = self.index.plan_new(req.block_hashes, first, nfull, blocks,
                                             self._storing_keys, room)
             spans.append((req_id, len(keys), idx))
             keys += k
