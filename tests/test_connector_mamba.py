@@ -49,14 +49,22 @@ def _replay(h, ps, **kw):
     return s, s["external_hit_tokens"] - before
 
 
-def test_three_groups_round_trip_through_a_restart(tmp_path):
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(tp_size=2, layout="BLNHC", extra={"capacity": "8M"}),
+    dict(async_scheduling=True),
+], ids=["tp1-LBNHC", "tp2-BLNHC", "async"])
+def test_three_groups_round_trip_through_a_restart(tmp_path, kw):
     store = tmp_path / "store"
     ps = prompts(81, 3, 140)                 # 8 full blocks; replay boundary 128 = block 7
-    with kv_harness(store, **MAMBA) as h:
+    tp = kw.get("tp_size", 1)
+    with kv_harness(store, **kw, **MAMBA) as h:
         s = sched(h)
         assert s.hybrid and s.has_mamba
         assert [k for k, _ in s.group_kinds] == ["full", "swa", "mamba"]
-        assert s.layout.groups == f"full;swa:{WINDOW};mamba:mamba2:3x64,2x16x16:float16,float16"
+        # The state shapes are per rank (vLLM shards them over TP).
+        assert s.layout.groups == (f"full;swa:{WINDOW};mamba:mamba2:3x{64 // tp},"
+                                   f"2x16x{16 // tp}:float16,float16")
         h.run(ps, max_tokens=2)
         settle(h)
         for p in ps:
@@ -67,7 +75,7 @@ def test_three_groups_round_trip_through_a_restart(tmp_path):
         loads_ok(s_)
         assert hit == 3 * 8 * BS
         assert s_["failed_recving"] == 0
-    with kv_harness(store, **MAMBA) as h:      # restart: the GPU cache is empty
+    with kv_harness(store, **kw, **MAMBA) as h:     # restart: the GPU cache is empty
         s_ = h.run(ps, max_tokens=2)
         loads_ok(s_)
         assert s_["external_hit_tokens"] == 3 * 8 * BS

@@ -67,11 +67,14 @@ class KVStoreScheduler:
         sc = vllm_config.scheduler_config
         self._lazy_target = 2 * -(-sc.max_num_batched_tokens // self.block_size)
         # The pool holds four steps' worth of store slots (eager: the blocks a step's
-        # tokens complete, one more per request), 16 at least, and an eighth of the store
-        # at most: its slots hold no data (`slot_pool` sets it, up to half the store).
+        # tokens complete, one more per request, in every attention group, plus one
+        # Mamba state per request), 16 at least, and an eighth of the store at most: its
+        # slots hold no data (`slot_pool` sets it, up to half the store).
+        attn_groups = sum(1 for kind, _ in self.group_kinds if kind != "mamba")
         per_step = min(cfg.max_store_blocks_per_step,
-                       self._lazy_target if cfg.store_policy == "lazy"
-                       else self._lazy_target // 2 + sc.max_num_seqs)
+                       (self._lazy_target if cfg.store_policy == "lazy"
+                        else self._lazy_target // 2 + sc.max_num_seqs) * attn_groups
+                       + (sc.max_num_seqs if self.has_mamba else 0))
         cap = self.store.geometry.num_slots
         pool = cfg.slot_pool or min(max(16, 4 * per_step), max(1, cap // 8))
         try:
