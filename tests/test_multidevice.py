@@ -256,3 +256,89 @@ def test_full_device_next_to_empty_ones(tmp_path, disks):
         assert st.put(ks, payload) == ks
         got = st.get(ks)
         assert [got[k][1] for k in ks] == [payload(i, 1).tobytes() for i in range(24)]
+
+
+def _flip(path, off):
+    fd = os.open(path, os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, off)
+        os.pwrite(fd, bytes([b[0] ^ 0x5A]), off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def test_info_lists_every_device(tmp_path, disks):
+    from click.testing import CliRunner
+    from kvstore.cli import main
+    from kvstore.tools.info import format_text, gather
+    with _create(tmp_path, disks, nslots=40) as st:
+        ks = keys(20)
+        st.put(ks, payload)
+        st.get(ks[:9])
+        st.drop([ks[3]])                 # slot 3 -> device 0 free
+        refs, _ = st.reserve([b"inflight"])   # one reserved slot
+        store = st.path
+    r = CliRunner().invoke(main, ["info", "--json", store])
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.output)
+    devs = info["devices"]
+    assert [d["path"] for d in devs] == disks and info["data_dirs"] == disks
+    assert all(d["state"] == "ok" for d in devs)
+    assert [d["capacity_slots"] for d in devs] == [14, 13, 13]
+    # 19 used: slots 0..19 less the dropped slot 3 (device 0); the reservation took the
+    # free slot 3 back (free slots go first), so device 0 holds 7 - 1 used + 1 reserved
+    assert sum(d["used_slots"] for d in devs) == info["used_slots"] == 19
+    assert [d["used_slots"] for d in devs] == [6, 7, 6]
+    assert info["reserved_slots"] == 1
+    for d in devs:
+        assert d["bytes_written"] >= 6 * SLOT * 2           # both ranks wrote there
+        assert d["bytes_read"] >= 3 * SLOT * 2              # 9 blocks read, 3 per device
+    # counters persist in the data directories (per rank)
+    assert sum(d["bytes_written"] for d in devs) == 20 * SLOT * 2
+    text = format_text(gather(store))
+    for i, d in enumerate(disks):
+        assert f"device{i}" in text and d in text
+    # a missing device is named
+    subprocess.run(["umount", "-l", os.path.dirname(disks[2])], check=True)
+    info = gather(store)
+    assert [d["state"] for d in info["devices"]] == ["ok", "ok", "missing"]
+    assert "MISSING" in format_text(info)
+
+
+def test_fsck_deep_checks_every_device(tmp_path, disks):
+    from kvstore.tools.fsck import fsck
+    with _create(tmp_path, disks, nslots=40) as st:
+        ks = keys(30)
+        st.put(ks, payload)
+        bad = st.lookup(ks[11])            # slot 11: device 2, local 3
+        store = st.path
+    rep = fsck(store, deep=True)
+    assert rep.exit_code == 0, [(f.kind, f.detail[-40:]) for f in rep.findings][:6]
+    assert rep.stats["devices"] == 3
+    # every device was read in full: 10 slots per device, 2 ranks
+    assert rep.stats["device_bytes_read"] == [10 * SLOT * 2] * 3
+    dev, local = bad.slot % 3, bad.slot // 3
+    assert dev == 2
+    _flip(slot_file_path(disks[dev], 1, 0), local * SLOT + 4096 + 77)
+    rep = fsck(store, deep=True)
+    assert [(f.kind, f.slot, f.rank) for f in rep.findings] == [("payload_corrupt", bad.slot, 1)]
+    rep = fsck(store, deep=True, repair=True)
+    assert rep.exit_code == 1
+    assert fsck(store, deep=True).exit_code == 0
+    with DiskStore(store, io=True, staging_bytes=1 << 20) as st:
+        got = st.get(ks)
+        assert len(got) == 11            # the prefix stops at the dropped block
+    # a device whose directory is gone (not mounted) is reported, never recreated
+    subprocess.run(["umount", "-l", os.path.dirname(disks[1])], check=True)
+    rep = fsck(store, repair=True)
+    missing = [f for f in rep.findings if f.kind == "slot_file_missing"]
+    assert missing and not any(f.fixed for f in missing)
+    assert "mount the device" in missing[0].detail
+    assert not os.path.exists(disks[1])
+    # its entries are reported and kept (valid again once the device is back)
+    away = [f for f in rep.findings if f.kind == "slot_unreadable"]
+    assert away and all(f.slot % 3 == 1 and not f.fixed and "is missing" in f.detail for f in away)
+    assert rep.exit_code & 4
+    with DiskStore(store, readonly=True) as st:
+        assert st.stats()["used_slots"] == 29

@@ -49,7 +49,7 @@ from kvstore.engine import RankIO, WriterLock, rank_dir, slot_file_path
 from kvstore.errors import CorruptIndex, CorruptSlot, KVStoreError, StoreLocked, StoreNotFound
 from kvstore.index import Index
 from kvstore.index_maint import rebuild_index, snapshot
-from kvstore.layout import FINGERPRINT, format_size, read_fingerprint
+from kvstore.layout import FINGERPRINT, device_dirs, format_size, read_fingerprint
 
 __all__ = ["fsck", "Finding", "Report", "KINDS", "format_text",
            "EXIT_CLEAN", "EXIT_CORRECTED", "EXIT_UNCORRECTED", "EXIT_OPERATIONAL",
@@ -185,46 +185,67 @@ class _Check:
         self.queue_depth = queue_depth
         self.progress = progress
         self.writer_pid = writer_pid
-        self.layout, self.geo, _ = read_fingerprint(path)
+        self.layout, self.geo, doc = read_fingerprint(path)
+        self.dirs = device_dirs(path, doc)   # one per device (the store itself if no data_dirs)
         self.cap = self.geo.num_slots
         self.index_dir = os.path.join(path, "index")
-        self.bad_files: dict[int, str] = {}   # file index -> reason, of the rank being read
+        self.bad_files: dict[int, str] = {}   # file number -> reason, of the rank being read
+        self.missing_devices: set[int] = set()   # data directories that are gone (check_files)
+        self._kept: set[int] = set()   # ids of findings on a missing device: never "fixed"
 
     # ---------------------------------------------------------------- pass 1: files
     def check_files(self) -> None:
+        self.missing_devices: set[int] = set()
+        for d in range(len(self.dirs)):
+            self._check_device_files(d)
+        self.rep.stats["devices"] = len(self.dirs)
+
+    def _check_device_files(self, d: int) -> None:
         g = self.geo
+        ddir = self.dirs[d]
+        many = len(self.dirs) > 1
+        if many and not os.path.isdir(ddir):
+            # Most often a device that is not mounted: never recreate its files elsewhere
+            # (on the root file system under the mount point), and keep its entries
+            # (check_data): they are valid again once it is back.
+            self.missing_devices.add(d)
+            for r in range(self.layout.tp_size):
+                self.rep.add("slot_file_missing", f"data directory {ddir} (device {d}) is missing: "
+                             f"mount the device (or restore the directory); fsck does not recreate "
+                             f"it", rank=r)
+            return
         for r in range(self.layout.tp_size):
-            rd = rank_dir(self.path, r)
+            rd = rank_dir(ddir, r)
             try:
                 st = os.lstat(rd)
                 if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
                     f = self.rep.add("slot_file_invalid", f"{rd} is not a directory (a symlink or a file)", rank=r)
                     if self.repair:
-                        self._fix(f, self._replace_rank_dir, rd)
+                        self._fix(f, self._replace_rank_dir, rd, d)
                     continue
             except FileNotFoundError:
                 f = self.rep.add("slot_file_missing", f"rank directory {rd} is missing "
-                                 f"({g.num_files} slot file(s) with it)", rank=r)
+                                 f"({g.device_files(d)} slot file(s) with it)", rank=r)
                 if self.repair:
-                    self._fix(f, self._recreate_rank, r)
+                    self._fix(f, self._recreate_rank, r, d)
                 continue
-            for i in range(g.num_files):
-                p = slot_file_path(self.path, r, i)
-                want = g.file_slots(i) * g.slot_size
-                first = i * g.slots_per_file
-                where = f"slots {first}..{first + g.file_slots(i) - 1}"
+            for i in range(g.device_files(d)):
+                p = slot_file_path(ddir, r, i)
+                want = g.device_file_slots(d, i) * g.slot_size
+                first = i * g.slots_per_file * g.num_devices + d
+                where = g.slot_range_text(d, i)
                 try:
                     st = os.lstat(p)
                 except FileNotFoundError:
                     f = self.rep.add("slot_file_missing", f"{p} ({where}) is missing", rank=r, slot=first)
                     if self.repair:
-                        self._fix(f, self._create_file, p, g.file_slots(i))
+                        self._fix(f, self._create_file, p, g.device_file_slots(d, i))
                     continue
                 if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
                     what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
                     f = self.rep.add("slot_file_invalid", f"{p} ({where}) is {what}", rank=r, slot=first)
                     if self.repair and stat.S_ISLNK(st.st_mode):
-                        self._fix(f, self._replace_symlink, p, g.file_slots(i))
+                        self._fix(f, self._replace_symlink, p, g.device_file_slots(d, i))
                     continue
                 if st.st_size != want:
                     how = "truncated" if st.st_size < want else "too long"
@@ -243,16 +264,16 @@ class _Check:
     def _create_file(self, p: str, nslots: int) -> None:
         SlotFile(p, self.geo.slot_size, nslots, direct=True, create=True).close()
 
-    def _recreate_rank(self, r: int) -> None:
-        os.mkdir(rank_dir(self.path, r), 0o700)
-        for i in range(self.geo.num_files):
-            self._create_file(slot_file_path(self.path, r, i), self.geo.file_slots(i))
+    def _recreate_rank(self, r: int, d: int = 0) -> None:
+        os.mkdir(rank_dir(self.dirs[d], r), 0o700)
+        for i in range(self.geo.device_files(d)):
+            self._create_file(slot_file_path(self.dirs[d], r, i), self.geo.device_file_slots(d, i))
 
-    def _replace_rank_dir(self, rd: str) -> None:
+    def _replace_rank_dir(self, rd: str, d: int = 0) -> None:
         if not os.path.islink(rd):
             raise KVStoreError(f"{rd} is not a directory; move it away by hand")
         os.unlink(rd)
-        self._recreate_rank(int(os.path.basename(rd)[4:]))
+        self._recreate_rank(int(os.path.basename(rd)[4:]), d)
 
     def _replace_symlink(self, p: str, nslots: int) -> None:
         os.unlink(p)  # removes the link only, never its target
@@ -414,8 +435,10 @@ class _Check:
         rios = []
         try:
             for _ in range(readers):
+                # --staging and --queue-depth are per device: each RankIO reads all
+                # devices at once (one ring each), so a batch is split over them.
                 rios.append(self._open_rank(r, -(-len(slots) // readers), deep,
-                                            staging_bytes=self.staging_bytes // readers,
+                                            staging_bytes=self.staging_bytes * len(self.dirs) // readers,
                                             queue_depth=self.queue_depth // readers))
             self.bad_files = dict(rios[0].bad_files)
             if deep:
@@ -468,7 +491,10 @@ class _Check:
                     if prog:
                         prog.update(len(chunk) * HEADER_SIZE)
         finally:
+            per_dev = self.rep.stats.setdefault("device_bytes_read", [0] * len(self.dirs))
             for rio in rios:
+                for d in range(len(per_dev)):
+                    per_dev[d] += int(rio.io_bytes[d, 0])
                 rio.close()
             if prog:
                 prog.close()
@@ -489,7 +515,7 @@ class _Check:
                 for e in by_slot[s]:
                     kind = detail = None
                     if isinstance(h, OSError):
-                        reason = self.bad_files.get(s // self.geo.slots_per_file)
+                        reason = self.bad_files.get(self.geo.file_number(s))
                         kind, detail = "slot_unreadable", reason or f"read failed: {h}"
                     elif isinstance(h, CorruptSlot):
                         kind, detail = "header_corrupt", str(h).removeprefix(f"slot {s}: ")
@@ -523,10 +549,17 @@ class _Check:
                 if now is None or now.slot != e.slot or now.generation != e.generation:
                     changed += 1
                     continue
-            bad_keys.add(key)
+            dev = self.geo.device_of(s)
+            away = dev in self.missing_devices
+            if not away:
+                bad_keys.add(key)
             for kind, detail, r, _ in items:
-                self.rep.add(kind, f"slot {s}" + (f" rank {r}" if self.layout.tp_size > 1 else "")
-                             + f": {detail}", slot=s, key=key, rank=r)
+                f = self.rep.add(kind, f"slot {s}" + (f" rank {r}" if self.layout.tp_size > 1 else "")
+                                 + f": {detail}" + (f" (device {dev} is missing: the entry is kept; "
+                                                    "mount the device and run fsck again)" if away else ""),
+                                 slot=s, key=key, rank=r)
+                if away:
+                    self._kept.add(id(f))
         self.rep.stats["slots_checked"] = len(slots)
         self.rep.stats["changed_during_check"] = changed
         return bad_keys
@@ -555,7 +588,7 @@ class _Check:
     def do_repair(self, scan: dict, bad_keys: set[bytes]) -> None:
         # File findings were fixed (or not) in pass 1 and index-open findings by the
         # rebuild; what is left is fixed here, by dropping entries or rebuilding the index.
-        pending = [f for f in self.rep.findings if not f.fixed
+        pending = [f for f in self.rep.findings if not f.fixed and id(f) not in self._kept
                    and f.kind not in _FILE_KINDS and f.kind not in _INDEX_OPEN_KINDS]
         if not pending:
             return

@@ -19,7 +19,8 @@ import stat
 
 from kvstore.engine import DiskStore, WriterLock, rank_dir, slot_file_path
 from kvstore.errors import KVStoreError
-from kvstore.layout import FINGERPRINT, format_size, read_fingerprint
+from kvstore.layout import FINGERPRINT, device_dirs, format_size, read_fingerprint
+from kvstore.rankio import read_iostats
 
 __all__ = ["gather", "format_text"]
 
@@ -59,9 +60,15 @@ def gather(path: str) -> dict:
         "tp_size": layout.tp_size,
         "writer_pid": WriterLock.holder(path),
     }
+    dirs = device_dirs(path, doc)
+    if doc.get("data_dirs"):
+        out["data_dirs"] = dirs
+    dev_used = None
     try:
         with DiskStore(path, readonly=True) as st:
             s = st.stats()
+            if len(dirs) > 1:
+                dev_used = _used_per_device(st, s, geo)
     except KVStoreError as exc:
         out["index_error"] = str(exc)
         s = None
@@ -99,23 +106,86 @@ def gather(path: str) -> dict:
     files["index_allocated_bytes"] = mdb[1] if mdb else None
     ranks = []
     for r in range(layout.tp_size):
-        apparent = allocated = missing = wrong_size = 0
-        for i in range(geo.num_files):
-            u = _file_usage(slot_file_path(path, r, i))
-            if u is None:
-                missing += 1
-                continue
-            apparent += u[0]
-            allocated += u[1]
-            if u[0] != geo.file_slots(i) * geo.slot_size:
-                wrong_size += 1
-        ranks.append({"rank": r, "dir": rank_dir(path, r), "files": geo.num_files,
-                      "missing_files": missing, "wrong_size_files": wrong_size,
-                      "bytes": apparent, "allocated_bytes": allocated})
+        apparent = allocated = missing = wrong_size = nfiles = 0
+        for d, ddir in enumerate(dirs):
+            for i in range(geo.device_files(d)):
+                nfiles += 1
+                u = _file_usage(slot_file_path(ddir, r, i))
+                if u is None:
+                    missing += 1
+                    continue
+                apparent += u[0]
+                allocated += u[1]
+                if u[0] != geo.device_file_slots(d, i) * geo.slot_size:
+                    wrong_size += 1
+        row = {"rank": r, "dir": rank_dir(dirs[0], r), "files": nfiles,
+               "missing_files": missing, "wrong_size_files": wrong_size,
+               "bytes": apparent, "allocated_bytes": allocated}
+        if len(dirs) > 1:
+            row["dirs"] = [rank_dir(ddir, r) for ddir in dirs]
+        ranks.append(row)
     files["ranks"] = ranks
     files["slot_bytes"] = sum(x["bytes"] for x in ranks)
     files["slot_allocated_bytes"] = sum(x["allocated_bytes"] for x in ranks)
     out["files"] = files
+    out["devices"] = _devices(dirs, geo, layout.tp_size, s, dev_used)
+    return out
+
+
+def _used_per_device(st: DiskStore, s: dict, geo) -> list[int]:
+    """Used slots of each device: its slots less its free and reserved ones. The free
+    list and the reservations are read (O(free + reserved rows), not a scan of the
+    entries); slots at or above high_water are free and counted arithmetically. Read from
+    separate snapshots: while a server runs the per-device sums may differ from
+    used_slots by the blocks committed meanwhile."""
+    D = geo.num_devices
+    hw, cap = s["high_water"], s["capacity_slots"]
+    free = [0] * D
+    for slot in st.index.iter_free():
+        if slot >= hw:
+            break      # the rest is high_water..capacity: counted below
+        free[slot % D] += 1
+    for d in range(D):  # slots hw..cap-1 with s % D == d
+        first = hw + ((d - hw) % D)
+        free[d] += max(0, (cap - first + D - 1) // D)
+    reserved = [0] * D
+    for slot, _gen, _key in st.index.iter_reserved():
+        reserved[slot % D] += 1
+    return [geo.device_slots(d) - free[d] - reserved[d] for d in range(D)]
+
+
+def _devices(dirs, geo, tp_size: int, s: dict | None, dev_used) -> list[dict]:
+    """One object per device: its data directory, state, slots and the bytes kvstore read
+    and wrote there (summed over ranks from rank<N>/iostats; null when no rank has a
+    counter file, e.g. a store made before the counters existed and never opened for
+    writing since)."""
+    out = []
+    for d, ddir in enumerate(dirs):
+        st = "ok"
+        try:
+            if os.path.islink(ddir) or not os.path.isdir(ddir):
+                st = "missing"
+            elif not all(os.path.isdir(rank_dir(ddir, r)) for r in range(tp_size)):
+                st = "missing"
+        except OSError:
+            st = "missing"
+        counts = [read_iostats(ddir, r) for r in range(tp_size)]
+        tracked = [c for c in counts if c is not None]
+        if s is None:
+            used = None
+        elif dev_used is not None:
+            used = dev_used[d]
+        else:
+            used = s["used_slots"]
+        try:
+            fs_free = os.statvfs(ddir).f_bavail * os.statvfs(ddir).f_frsize if st == "ok" else None
+        except OSError:
+            fs_free = None
+        out.append({"device": d, "path": ddir, "state": st,
+                    "capacity_slots": geo.device_slots(d), "used_slots": used,
+                    "bytes_read": sum(c[0] for c in tracked) if tracked else None,
+                    "bytes_written": sum(c[1] for c in tracked) if tracked else None,
+                    "fs_free_bytes": fs_free})
     return out
 
 
@@ -171,6 +241,14 @@ def format_text(info: dict) -> str:
         rows.append((f"rank{r['rank']}", f"{r['files']} slot file(s), {format_size(r['bytes'])} "
                                          f"({format_size(r['allocated_bytes'])} allocated)"
                                          + (f"; {', '.join(bad)}: run `kvstore fsck`" if bad else "")))
+    devs = info.get("devices") or []
+    if len(devs) > 1 or info.get("data_dirs"):
+        for dv in devs:
+            used = "-" if dv["used_slots"] is None else f"{dv['used_slots']:,}"
+            io = ("bytes not tracked" if dv["bytes_read"] is None else
+                  f"read {format_size(dv['bytes_read'])}, written {format_size(dv['bytes_written'])}")
+            rows.append((f"device{dv['device']}", f"{dv['path']}: {dv['state'].upper() if dv['state'] != 'ok' else 'ok'}, "
+                         f"{dv['capacity_slots']:,} slots, used {used}, {io}"))
     pid = info["writer_pid"]
     rows.append(("writer", "none (nobody holds the writer lock)" if pid is None
                  else f"pid {pid} holds the writer lock" if pid > 0
