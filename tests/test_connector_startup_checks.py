@@ -190,7 +190,9 @@ def test_vllm_hybrid_plan_and_its_single_group_fallback_are_both_served(tmp_path
     assert layout_from_vllm(vc, single).num_layers == 4
 
 
-def test_mamba_groups_are_refused_as_not_supported(tmp_path):
+def test_mamba_without_prefix_caching_is_refused_saying_what_to_do(tmp_path):
+    """vLLM caches Mamba state only in "align" mode, which it sets when prefix caching
+    is on; "none" (prefix caching off) has nothing kvstore could store."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     from kvstore.vllm.config import layout_from_vllm
@@ -200,8 +202,29 @@ def test_mamba_groups_are_refused_as_not_supported(tmp_path):
         layout_from_vllm(_vllm_config(tmp_path), _kv_cache_config(_full(), _swa(), mamba))
     assert str(ei.value) == (
         "kvstore: this model has 3 KV cache groups (1 FullAttentionSpec, 1 SlidingWindowSpec, "
-        "1 MambaSpec). Mamba/hybrid-SSM state is not supported by kvstore yet: remove the "
-        "kvstore connector for this model.")
+        "1 MambaSpec). vLLM caches Mamba state only with prefix caching on (Mamba cache mode "
+        '"align"); this engine runs mamba_cache_mode=none. Start vLLM with '
+        "--enable-prefix-caching, or remove the kvstore connector for this model.")
+
+
+def test_mamba_in_align_mode_is_served_and_recorded_in_the_layout(tmp_path):
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvstore.vllm.config import layout_from_vllm
+    full = _full()
+    mamba = MambaSpec(block_size=16, shapes=((4, 64), (4, 16, 4)),
+                      dtypes=(torch.float16, torch.float32), mamba_cache_mode="align",
+                      page_size_padded=full.page_size_bytes * 3)
+    # Its padded page differs from the attention page: refused, naming the pages.
+    with pytest.raises(ConfigError, match=r"pages \[2048, 6144\]"):
+        layout_from_vllm(_vllm_config(tmp_path), _kv_cache_config(full, _swa(), mamba))
+    mamba = MambaSpec(block_size=16, shapes=((4, 64), (4, 16, 4)),
+                      dtypes=(torch.float16, torch.float32), mamba_cache_mode="align",
+                      page_size_padded=full.page_size_bytes)
+    lay = layout_from_vllm(_vllm_config(tmp_path), _kv_cache_config(_swa(), full, mamba))
+    # The carrier is the full-attention group wherever it is; one layer per group.
+    assert lay.groups == "swa:64;full;mamba:mamba2:4x64,4x16x4:float16,float32"
+    assert lay.num_layers == 1 and lay.block_bytes == full.page_size_bytes
 
 
 def test_groups_without_a_single_group_fallback_get_no_false_advice(tmp_path):
