@@ -227,6 +227,20 @@ def test_mamba_in_align_mode_is_served_and_recorded_in_the_layout(tmp_path):
     assert lay.num_layers == 1 and lay.block_bytes == full.page_size_bytes
 
 
+def test_hybrid_hashes_finer_than_blocks_are_refused_naming_the_unit(tmp_path):
+    from kvstore.vllm.config import layout_from_vllm
+    vc = _vllm_config(tmp_path)
+    kcc = _kv_cache_config(_full(), _swa())
+    assert layout_from_vllm(vc, kcc).groups == "full;swa:64"
+    kcc.hash_block_size = 8          # what vLLM resolves for --prefix-match-unit 8
+    with pytest.raises(ConfigError) as ei:
+        layout_from_vllm(vc, kcc)
+    assert str(ei.value) == (
+        "kvstore keys one block hash per 16-token block; this engine hashes blocks of 8 "
+        "tokens (hash_block_size=8). Unset --prefix-match-unit (or set it to 16), or remove "
+        "the kvstore connector for this model.")
+
+
 def test_groups_without_a_single_group_fallback_get_no_false_advice(tmp_path):
     """Layers of different KV shapes stay several specs (UniformTypeKVCacheSpecs) even
     without the hybrid manager, and sliding-window layers without full attention are not

@@ -123,6 +123,8 @@ def layout_from_vllm(vllm_config, kv_cache_config) -> Layout:
             f"kvstore needs block hashes that are the same in every process and after a restart; "
             f"prefix_caching_hash_algo={hash_algo!r} is seeded randomly per process. Use "
             "--prefix-caching-hash-algo sha256 (the default) or set PYTHONHASHSEED.")
+    if group_desc:
+        check_hash_block_size(kv_cache_config, cc, int(spec.block_size))
     layout_name = getattr(cc, "kv_cache_layout", None) or ""
     # The payload is the pages of all layers concatenated; a page's inner order (NHC or
     # HNC) is what matters, not whether layers or blocks are outermost in GPU memory.
@@ -143,6 +145,22 @@ def layout_from_vllm(vllm_config, kv_cache_config) -> Layout:
         kv_layout=f"pages:{page_format}",
         groups=group_desc,
     )
+
+
+def check_hash_block_size(kv_cache_config, cache_config, block_size: int) -> None:
+    """Refuse a hybrid model whose block hashes are finer than its blocks (vLLM's
+    --prefix-match-unit, hash_block_size = GCD or the unit): kvstore keys group g's
+    block i by `request.block_hashes[i]`, which is right only when vLLM hashes at the
+    block size."""
+    hbs = getattr(kv_cache_config, "hash_block_size", None)
+    unit = getattr(cache_config, "prefix_match_unit", None)
+    for what, v in (("prefix_match_unit", unit), ("hash_block_size", hbs)):
+        if v is not None and int(v) != block_size:
+            raise ConfigError(
+                f"kvstore keys one block hash per {block_size}-token block; this engine "
+                f"hashes blocks of {int(v)} tokens ({what}={int(v)}). Unset "
+                f"--prefix-match-unit (or set it to {block_size}), or remove the kvstore "
+                "connector for this model.")
 
 
 # (setting, its flags) of vLLM's context parallelism: `ParallelConfig` fields.
