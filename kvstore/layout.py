@@ -66,7 +66,9 @@ class Layout:
     tp_size: int = 1
     hash_algo: str = "sha256"
     kv_layout: str = ""      # how the payload is arranged (e.g. "LBNHC:layer-major")
-    # KV cache groups of a hybrid model, e.g. "full;swa:4096" ("" for one group: the
+    # KV cache groups of a hybrid model, one entry per group in vLLM's order, e.g.
+    # "full;swa:4096" or "full;swa:4096;mamba:mamba2:3x64,2x16x16:float16,float16" (a
+    # Mamba group: backend, per-rank state shapes and dtypes); "" for one group (the
     # fingerprint of single-group stores does not carry the field)
     groups: str = ""
 
