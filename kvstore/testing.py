@@ -718,10 +718,10 @@ class EngineHarness:
                 for g in range(ng):
                     st.tables[g].extend(nb[g])
         if self._hybrid:
-            self._sync_null_blocks()
+            self._sync_null_blocks(so.num_scheduled_tokens)
         return first
 
-    def _sync_null_blocks(self) -> None:
+    def _sync_null_blocks(self, scheduled) -> None:
         """Mirror into the harness tables the blocks vLLM replaced by the null block
         (sliding-window blocks that left the window, ``remove_skipped_blocks`` in
         ``allocate_slots``). vLLM's model runner keeps the stale ids (its kernels
@@ -730,13 +730,17 @@ class EngineHarness:
         scheduler's."""
         stms = self.scheduler.kv_cache_manager.coordinator.single_type_managers
         for req_id, st in self._req_state.items():
+            if req_id not in scheduled:
+                # Not scheduled this step: its table may be stale (a preempted request
+                # that vLLM allocated again for a load it now waits for).
+                continue
             for g, stm in enumerate(stms):
                 blocks = stm.req_to_blocks.get(req_id)
                 if blocks is None:
                     continue  # not allocated (preempted, finished, waiting)
                 table = st.tables[g]
                 if len(blocks) != len(table):
-                    continue  # not scheduled this step (e.g. waiting for remote KV)
+                    continue  # allocated past what this step's output carried
                 for i, b in enumerate(blocks):
                     if b.is_null:
                         table[i] = 0
