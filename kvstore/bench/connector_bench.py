@@ -88,6 +88,14 @@ class _StepTimer:
     def __init__(self, h):
         import gc
         self.h = h
+        # The step thread's time waiting for a CPU (runnable, not running: the kernel's
+        # run-queue delay, /proc/thread-self/schedstat), per step: on a machine with fewer
+        # cores than busy threads, part of "wall minus CPU" is the OS, not the GIL.
+        try:
+            self._schedstat = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._schedstat = None
+        self.runq: list[float] = []
         self.steps: list[float] = []
         self.cpu: list[float] = []
         self.gc: list[float] = []
@@ -133,7 +141,7 @@ class _StepTimer:
         # Scheduler.schedule and update_from_output less the connector calls inside them.
         def schedule(*a, **kw):
             self._close()
-            self._cur = [0, False, 0, 0, [], 0]
+            self._cur = [0, False, 0, 0, [], 0, self._runq_ns()]
             t = time.perf_counter_ns()
             so = orig_schedule(*a, **kw)
             self._cur[5] += time.perf_counter_ns() - t
@@ -159,13 +167,19 @@ class _StepTimer:
         else:
             self._gc_ns += time.perf_counter_ns() - self._gc_t0
 
+    def _runq_ns(self) -> int:
+        if self._schedstat is None:
+            return 0
+        return int(os.pread(self._schedstat, 128, 0).split()[1])
+
     def _close(self):
         if self._cur is not None:
             if self._cur[1]:
+                self.runq.append((self._runq_ns() - self._cur[6]) / 1e6)
                 self.steps.append(self._cur[0] / 1e6)
                 self.cpu.append(self._cur[2] / 1e6)
                 self.gc.append(self._cur[3] / 1e6)
-                self.detail.append((self._cur[0] / 1e6, self._cur[4]))
+                self.detail.append((self._cur[0] / 1e6, self._cur[4], self.runq[-1]))
                 self.vllm.append(max(0, self._cur[5] - self._cur[0]) / 1e6)
             else:
                 self.idle.append(self._cur[0] / 1e6)
@@ -176,6 +190,9 @@ class _StepTimer:
         self._close()
         if self._gc_cb in gc.callbacks:
             gc.callbacks.remove(self._gc_cb)
+        if self._schedstat is not None:
+            os.close(self._schedstat)
+            self._schedstat = None
         s, c = self.steps, self.cpu
         return {"steps": len(s), "idle_steps": len(self.idle),
                 "idle_step_max_ms": round(max(self.idle, default=0), 4),
@@ -195,9 +212,13 @@ class _StepTimer:
                 # connector calls excluded), for scale
                 "vllm_scheduler_p50_ms": round(_pct(self.vllm, 0.5), 4),
                 "vllm_scheduler_p99_ms": round(_pct(self.vllm, 0.99), 4),
+                # the step thread's run-queue delay per step (whole step, vLLM's work
+                # included): waiting for a CPU, which no code of the process can cause
+                "step_runq_p99_ms": round(_pct(self.runq, 0.99), 4),
+                "steps_with_runq_over_0_5ms": sum(1 for r in self.runq if r > 0.5),
                 # what the three slowest steps spent their time in (calls over 0.05 ms)
-                "slowest_steps": [{"ms": round(ms, 3), "calls": calls} for ms, calls in
-                                  sorted(self.detail, key=lambda d: -d[0])[:3]]}
+                "slowest_steps": [{"ms": round(ms, 3), "calls": calls, "runq_ms": round(rq, 3)}
+                                  for ms, calls, rq in sorted(self.detail, key=lambda d: -d[0])[:3]]}
 
 
 def _freeze_heap() -> None:
@@ -261,7 +282,7 @@ def _phases(common: dict, prompts: list, index_thread: bool) -> dict:
     return out
 
 
-def run(index_entries: int = 1_000_000, requests: int = 48, prompt_tokens: int = 8192,
+def run(index_entries: int = 1_000_000, requests: int = 96, prompt_tokens: int = 8192,
         baseline: bool = True, workdir: str | None = None) -> dict:
     from kvstore.testing import EngineHarness
     tmp = tempfile.TemporaryDirectory(prefix="kvstore-bench-conn-", dir=workdir)
@@ -329,6 +350,10 @@ def format_table(r: dict) -> str:
             p = phases[ph]
             lines.append(f"{name:<22} {ph:<6} {p['step_cpu_p50_ms']:>8.3f} {p['step_cpu_p99_ms']:>8.3f} "
                          f"{p['step_cpu_max_ms']:>8.3f} {p['steps_with_gc']:>9} {p['step_gc_max_ms']:>8.3f}")
+    lines.append("the step thread's run-queue delay (waiting for a CPU: the OS, not kvstore), p99 ms / "
+                 "steps over 0.5 ms: " + "; ".join(
+                     f"{ph} {r['phases'][ph].get('step_runq_p99_ms', 0):.3f} / "
+                     f"{r['phases'][ph].get('steps_with_runq_over_0_5ms', 0)}" for ph in ("store", "load")))
     lines.append("for scale, vLLM's own scheduler per step (schedule + update_from_output, connector "
                  "calls excluded), p50 / p99 ms: " + "; ".join(
                      f"{ph} {r['phases'][ph]['vllm_scheduler_p50_ms']:.3f} / "
