@@ -1,12 +1,16 @@
 """`kvstore bench io`: the I/O core against fio and a blocking one-thread baseline.
 
-In one run, on one directory, with one block size, queue depth, total size and O_DIRECT
-setting, it measures (a) kvstore's Ring writing then reading slot images of SlotFiles,
-(b) fio with the io_uring engine (the device's practical limit) and (c) one thread of
-blocking os.pwritev/os.preadv (how vLLM's SimpleCPUOffload disk mode moves blocks).
-Rounds alternate between the systems (A B C A B C ...) and medians are reported. Every
-block kvstore reads back is verified (header + xxh3 payload checksum against what was
-written): a fast benchmark that returns wrong data is a failure.
+In one run, on one directory or several (`--dir A,B,C`: one per device), with one block
+size, queue depth, total size and O_DIRECT setting, it measures (a) kvstore's data path
+(`RankIO` over a store striped over the directories, one io_uring ring per directory)
+writing then reading slot images, (b) fio with the io_uring engine, one job per directory,
+all at once (the devices' practical limit) and (c) blocking os.pwritev/os.preadv, one
+thread per directory (how vLLM's SimpleCPUOffload disk mode moves blocks). Every system is
+timed by the wall clock of its whole phase (kvstore: fill or checks, stamping, syncs
+included). Rounds alternate between the systems (A B C A B C ...) and medians are reported,
+in total and per directory, with kvstore's mean ops in flight per ring. Every block kvstore
+reads back is verified (header + xxh3 payload checksum, and its index in the payload):
+a fast benchmark that returns wrong data is a failure.
 """
 from __future__ import annotations
 
@@ -188,60 +192,326 @@ class Fio:
             os.unlink(self.path)
 
 
+class MultiDirKVStore:
+    """kvstore's real striped data path: one store whose slots are spread over the
+    directories (`data_dirs`, slot s on directory s % D; a single directory is the plain
+    store), one io_uring ring per directory at `qd`, written with `RankIO.write_blocks`
+    (header stamped by the ring, then fdatasync of every file) and read back with
+    `read_blocks` (every block checked by the ring: header and xxh3 payload checksum, and
+    here its index in the payload's first bytes). Timed by the wall clock of each whole
+    phase, the payload fill, stamping, syncs and checks included."""
+
+    name = "kvstore"
+
+    def __init__(self, dirs, size, block, qd, direct):
+        from kvstore.engine import DiskStore, SlotRef
+        from kvstore.layout import Layout
+        self.dirs = dirs
+        self.block = block
+        self.nblocks = size // block
+        self.store = os.path.join(dirs[0], "kvstore-bench-store")
+        self.data = [os.path.join(d, "kvstore-bench-data") for d in dirs] if len(dirs) > 1 else None
+        for p in [self.store] + (self.data or []):
+            shutil.rmtree(p, ignore_errors=True)
+        for p in self.data or []:
+            os.mkdir(p, 0o700)
+        layout = Layout(model="kvstore-bench", dtype="uint8", block_size=16, block_bytes=block - HEADER_SIZE,
+                        num_layers=1, num_kv_heads=1, head_dim=1)
+        # Staging: enough that each chunk of the double buffer gives every device two
+        # queue depths of work.
+        staging = max(STAGING_BYTES, 4 * qd * block * len(dirs))
+        staging = min(staging, max(2, self.nblocks) * block)
+        self.st = DiskStore.create(self.store, layout, self.nblocks * block, data_dirs=self.data, io=True,
+                                   io_mode="direct" if direct else "page_cache", queue_depth=qd,
+                                   staging_bytes=staging)
+        self.rio = self.st.ranks[0]
+        self.refs = [SlotRef(b"bench%08d" % i, i, 1) for i in range(self.nblocks)]
+        rng = np.random.default_rng(1)
+        self.pattern = rng.integers(0, 256, block - HEADER_SIZE, dtype=np.uint8)
+        self.verified = 0
+        self.occupancy = {}
+
+    def _sampled(self, phase, fn):
+        with QueueSampler(self.rio.rings) as q:
+            t = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t
+        self.occupancy[phase] = q.mean()
+        self.dev_bytes = [int(b) for b in (self.rio.io_bytes[:, 0 if phase == "read" else 1])]
+        self.rio.io_bytes[:] = 0
+        return dt
+
+    def write(self):
+        def fill(start, stop, views):
+            for j, v in enumerate(views):
+                v[:] = self.pattern
+                v[:8] = np.frombuffer(np.int64(start + j).tobytes(), np.uint8)
+
+        def go():
+            errs = self.rio.write_blocks(self.refs, fill)
+            bad = [e for e in errs if e is not None]
+            if bad:
+                raise KVStoreError(f"benchmark write failed: {bad[0]}")
+        return self._sampled("write", go)
+
+    def read(self):
+        def drain(start, stop, views, errors):
+            for j, v in enumerate(views):
+                if errors[j] is not None:
+                    raise KVStoreError(f"benchmark read back a bad block {start + j}: {errors[j]}")
+                if int(np.frombuffer(v[:8], np.int64)[0]) != start + j:
+                    raise KVStoreError(f"benchmark read back the wrong block at {start + j}")
+            self.verified += stop - start
+
+        def go():
+            self.rio.read_blocks(self.refs, drain, verify="checksum")
+        return self._sampled("read", go)
+
+    def close(self):
+        self.st.close()
+        for p in [self.store] + (self.data or []):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+class QueueSampler:
+    """Mean ops in flight per ring over a phase, from the kernel's own ring counters
+    (/proc/self/fdinfo of each ring: SQ entries the kernel consumed minus CQEs it posted),
+    sampled every SAMPLE_S on a helper thread. Counts idle moments too: a ring whose
+    queue goes empty between batches scores below its depth."""
+
+    SAMPLE_S = 0.002
+
+    def __init__(self, rings):
+        import threading
+        self.fds = [r.ring_fd for r in rings]
+        self.sums = [0] * len(self.fds)
+        self.n = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstore-qd-sampler", daemon=True)
+
+    @staticmethod
+    def _inflight(fd):
+        head = tail = None
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            for line in f:
+                if line.startswith("SqHead:"):
+                    head = int(line.split()[1])
+                elif line.startswith("CqTail:"):
+                    tail = int(line.split()[1])
+                    break
+        return (head - tail) % (1 << 32) if head is not None and tail is not None else 0
+
+    def _run(self):
+        while not self._stop.wait(self.SAMPLE_S):
+            for i, fd in enumerate(self.fds):
+                v = self._inflight(fd)
+                self.sums[i] += v if v < (1 << 16) else 0   # a torn pair of reads: skip
+            self.n += 1
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def mean(self):
+        return [s / self.n if self.n else float("nan") for s in self.sums]
+
+
+class MultiDirThreads:
+    """Blocking pwritev/preadv, one block per call, one thread per directory (each its
+    own file); timed by the wall clock of the whole phase."""
+
+    name = "threads"
+
+    def __init__(self, dirs, size, block, qd, direct):
+        self.parts = [OneThread(d, size // len(dirs) // block * block, block, qd, direct) for d in dirs]
+        self.times = []
+
+    def _all(self, op):
+        from concurrent.futures import ThreadPoolExecutor
+        t = time.perf_counter()
+        with ThreadPoolExecutor(len(self.parts)) as pool:
+            self.times = list(pool.map(lambda p: getattr(p, op)(), self.parts))
+        return time.perf_counter() - t
+
+    def write(self):
+        return self._all("write")
+
+    def read(self):
+        return self._all("read")
+
+    def close(self):
+        for p in self.parts:
+            p.close()
+
+
+class MultiDirFio:
+    """fio (io_uring) on every directory at once: one job per directory, each on its own
+    file with the same block size, depth and O_DIRECT setting, started together by one
+    fio process. A phase's total is the bytes of all jobs over the longest job's runtime
+    (fio's own wall clock of the phase, its file layout excluded); a directory's rate is
+    its job's bytes over the same phase time."""
+
+    name = "fio"
+
+    def __init__(self, dirs, size, block, qd, direct):
+        if shutil.which("fio") is None:
+            raise KVStoreError("fio is not installed (Debian: apt-get install fio); `make` installs it")
+        per = size // len(dirs) // block * block
+        self.paths = [os.path.join(d, "fio-bench.dat") for d in dirs]
+        # Registered buffers and files, as kvstore's rings use them: without them the
+        # kernel pins every I/O's pages, and on this VM fio read 2 MiB blocks at QD 32 at
+        # ~1.7 GB/s instead of ~2.4 (docs/benchmarks.md).
+        self.common = [f"--size={per}", f"--bs={block}", f"--iodepth={qd}", "--ioengine=io_uring",
+                       "--fixedbufs", "--registerfiles",
+                       f"--direct={1 if direct else 0}", "--numjobs=1", "--fallocate=native"]
+        self.dev_bytes = [0] * len(dirs)
+        self.dev_gbps = {}
+
+    def _run(self, rw):
+        args = ["fio", "--output-format=json", *self.common, f"--rw={rw}",
+                *(["--end_fsync=1"] if rw == "write" else [])]
+        for i, p in enumerate(self.paths):
+            args += [f"--name={rw}{i}", f"--filename={p}"]
+        out = subprocess.run(args, capture_output=True, text=True, check=True)
+        jobs = json.loads(out.stdout[out.stdout.index("{"):])["jobs"]
+        parts = [j["write" if rw == "write" else "read"] for j in jobs]
+        secs = max(p["runtime"] for p in parts) / 1000.0
+        self.dev_bytes = [p["io_bytes"] for p in parts]
+        if not secs:
+            return float("nan")
+        self.dev_gbps[rw] = [b / secs / 1e9 for b in self.dev_bytes]
+        return sum(self.dev_bytes) / secs
+
+    def write(self):
+        return self._run("write")
+
+    def read(self):
+        return self._run("read")
+
+    def close(self):
+        for p in self.paths:
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+def _parse_dirs(directory) -> list[str] | None:
+    if directory is None:
+        return None
+    if isinstance(directory, (list, tuple)):
+        dirs = list(directory)
+    else:
+        dirs = [d for d in str(directory).split(",") if d]
+    if not dirs:
+        raise KVStoreError("--dir names no directory")
+    dirs = [os.path.abspath(d) for d in dirs]
+    if len(set(dirs)) != len(dirs):
+        raise KVStoreError("--dir names a directory twice")
+    return dirs
+
+
 def run(directory: str | None = None, size="4G", block_size="2M", queue_depth: int = 32,
         page_cache: bool = False, rounds: int = 3, systems=("kvstore", "fio", "threads")) -> dict:
-    """Run the comparison; returns the JSON-able result dict."""
+    """Run the comparison; returns the JSON-able result dict.
+
+    `directory`: one directory, several as "A,B,C" (or a list): kvstore stripes one store
+    over them (a ring per directory), fio runs a job on each at once, the baseline a
+    thread on each. `size` is the total per system and phase, split evenly over the
+    directories. Every system is timed by the wall clock of its whole phase."""
     size_b = parse_size(size)
     block = parse_size(block_size)
     if block % 4096 or block <= HEADER_SIZE:
         raise KVStoreError(f"block size {block} must be a multiple of 4096 and > 4096")
-    size_b = size_b // block * block
-    if size_b < block:
-        raise KVStoreError(f"size {size} holds no block of {block_size}")
+    dirs = _parse_dirs(directory)
+    own_dir = dirs is None
+    if own_dir:
+        dirs = [tempfile.mkdtemp(prefix="kvstore-bench-")]
+    ndirs = len(dirs)
+    size_b = size_b // (block * ndirs) * block * ndirs
+    if size_b < block * ndirs:
+        raise KVStoreError(f"size {size} holds no block of {block_size} per directory")
     direct = not page_cache
-    own_dir = directory is None
-    directory = tempfile.mkdtemp(prefix="kvstore-bench-") if own_dir else directory
-    os.makedirs(directory, exist_ok=True)
-    free = shutil.disk_usage(directory).free
-    if size_b * 1.2 > free:
-        raise KVStoreError(f"--size {format_size(size_b)} needs more than the {format_size(free)} "
-                           f"free in {directory}; lower --size")
-    classes = {"kvstore": KVStoreCore, "fio": Fio, "threads": OneThread}
+    for d in dirs:
+        os.makedirs(d, exist_ok=True)
+    by_fs: dict = {}
+    for d in dirs:
+        by_fs.setdefault(os.stat(d).st_dev, []).append(d)
+    for same in by_fs.values():
+        free = shutil.disk_usage(same[0]).free
+        need = size_b // ndirs * len(same)
+        if need * 1.2 > free:
+            raise KVStoreError(f"--size {format_size(size_b)} needs more than the {format_size(free)} "
+                               f"free in {', '.join(same)}; lower --size")
+    classes = {"kvstore": MultiDirKVStore, "fio": MultiDirFio, "threads": MultiDirThreads}
     samples = {s: {"write": [], "read": []} for s in systems}
+    per_dev = {s: {"write": [], "read": []} for s in systems}   # per round: GB/s per directory
+    occ = {"write": [], "read": []}                              # per round: kvstore in flight per ring
     verified = 0
     try:
         for rnd in range(rounds):
             for name in systems:
-                sysobj = classes[name](directory, size_b, block, queue_depth, direct)
+                sysobj = classes[name](dirs, size_b, block, queue_depth, direct)
                 try:
                     if name == "fio":
                         w = sysobj.write()
+                        wd = sysobj.dev_gbps.get("write", [float("nan")] * ndirs)
                         if page_cache:
                             drop_page_cache()
                         r = sysobj.read()
+                        rd = sysobj.dev_gbps.get("read", [float("nan")] * ndirs)
                     else:
-                        w = size_b / sysobj.write()
+                        tw = sysobj.write()
+                        w = size_b / tw
+                        wd = _dev_rates(sysobj, size_b, ndirs, tw)
                         if page_cache:
                             drop_page_cache()
-                        r = size_b / sysobj.read()
+                        tr = sysobj.read()
+                        r = size_b / tr
+                        rd = _dev_rates(sysobj, size_b, ndirs, tr)
                     samples[name]["write"].append(w / 1e9)
                     samples[name]["read"].append(r / 1e9)
+                    per_dev[name]["write"].append(wd)
+                    per_dev[name]["read"].append(rd)
                     if name == "kvstore":
                         verified += sysobj.verified
+                        occ["write"].append(sysobj.occupancy["write"])
+                        occ["read"].append(sysobj.occupancy["read"])
                 finally:
                     sysobj.close()
     finally:
         if own_dir:
-            shutil.rmtree(directory, ignore_errors=True)
-    results = {name: {"write_gbps": statistics.median(v["write"]), "read_gbps": statistics.median(v["read"]),
+            shutil.rmtree(dirs[0], ignore_errors=True)
+    med = statistics.median
+    results = {name: {"write_gbps": med(v["write"]), "read_gbps": med(v["read"]),
                       "write_samples": v["write"], "read_samples": v["read"]}
                for name, v in samples.items()}
     out = {
-        "config": {"dir": directory, "size": size_b, "block_size": block, "queue_depth": queue_depth,
-                   "o_direct": direct, "rounds": rounds},
+        "config": {"dir": ",".join(dirs), "dirs": dirs, "size": size_b, "block_size": block,
+                   "queue_depth": queue_depth, "o_direct": direct, "rounds": rounds,
+                   "timing": "wall clock of each whole phase"},
         "results": results,
         "blocks_verified": verified,
     }
+    rows = []
+    for i, d in enumerate(dirs):
+        row = {"dir": d}
+        if "kvstore" in systems:
+            row["write_gbps"] = med(x[i] for x in per_dev["kvstore"]["write"])
+            row["read_gbps"] = med(x[i] for x in per_dev["kvstore"]["read"])
+            wq = med(x[i] for x in occ["write"])
+            rq = med(x[i] for x in occ["read"])
+            row["queue_occupancy"] = (wq + rq) / 2
+            row["write_queue_occupancy"] = wq
+            row["read_queue_occupancy"] = rq
+        for name in ("fio", "threads"):
+            if name in systems:
+                row[f"{name}_write_gbps"] = med(x[i] for x in per_dev[name]["write"])
+                row[f"{name}_read_gbps"] = med(x[i] for x in per_dev[name]["read"])
+        rows.append(row)
+    out["per_device"] = rows
     if "fio" in results and "kvstore" in results:
         out["ratio_vs_fio"] = {k: results["kvstore"][f"{k}_gbps"] / results["fio"][f"{k}_gbps"]
                                for k in ("write", "read")}
@@ -251,18 +521,39 @@ def run(directory: str | None = None, size="4G", block_size="2M", queue_depth: i
     return out
 
 
+def _dev_rates(sysobj, size_b, ndirs, secs):
+    """GB/s each directory delivered over the phase's wall clock."""
+    dev = getattr(sysobj, "dev_bytes", None)
+    if dev is None:   # the threads baseline: an equal share per directory
+        dev = [size_b // ndirs] * ndirs
+    return [b / secs / 1e9 for b in dev]
+
+
 def format_table(out: dict) -> str:
     c = out["config"]
-    lines = [f"kvstore bench io: {format_size(c['size'])} in {format_size(c['block_size'])} blocks, "
-             f"queue depth {c['queue_depth']}, {'O_DIRECT' if c['o_direct'] else 'page cache'}, "
-             f"median of {c['rounds']} alternating rounds",
-             f"{'system':<10} {'write GB/s':>11} {'read GB/s':>10}"]
-    labels = {"kvstore": "kvstore", "fio": "fio", "threads": "1 thread"}
+    dirs = c.get("dirs") or [c["dir"]]
+    over = f" over {len(dirs)} directories" if len(dirs) > 1 else ""
+    lines = [f"kvstore bench io: {format_size(c['size'])} in {format_size(c['block_size'])} blocks{over}, "
+             f"queue depth {c['queue_depth']}{' per directory' if len(dirs) > 1 else ''}, "
+             f"{'O_DIRECT' if c['o_direct'] else 'page cache'}, median of {c['rounds']} alternating "
+             "rounds, wall clock of each whole phase",
+             f"{'system':<12} {'write GB/s':>11} {'read GB/s':>10}"]
+    labels = {"kvstore": "kvstore", "fio": "fio", "threads": "1 thread" + ("/dir" if len(dirs) > 1 else "")}
     for name, r in out["results"].items():
-        lines.append(f"{labels.get(name, name):<10} {r['write_gbps']:>11.2f} {r['read_gbps']:>10.2f}")
+        lines.append(f"{labels.get(name, name):<12} {r['write_gbps']:>11.2f} {r['read_gbps']:>10.2f}")
     if "ratio_vs_fio" in out:
         lines.append(f"kvstore / fio:      write {out['ratio_vs_fio']['write']:.2f}x  read {out['ratio_vs_fio']['read']:.2f}x")
     if "ratio_vs_threads" in out:
         lines.append(f"kvstore / 1 thread: write {out['ratio_vs_threads']['write']:.2f}x  read {out['ratio_vs_threads']['read']:.2f}x")
+    rows = out.get("per_device") or []
+    if rows and "write_gbps" in rows[0]:
+        width = max(len(r["dir"]) for r in rows)
+        has_fio = "fio_write_gbps" in rows[0]
+        lines.append(f"{'per directory':<{width}}  kvstore write  read  in flight (w/r)"
+                     + ("  | fio write  read" if has_fio else ""))
+        for r in rows:
+            lines.append(f"{r['dir']:<{width}}  {r['write_gbps']:>13.2f} {r['read_gbps']:>5.2f}  "
+                         f"{r['write_queue_occupancy']:>6.1f} / {r['read_queue_occupancy']:<5.1f}"
+                         + (f"  | {r['fio_write_gbps']:>9.2f} {r['fio_read_gbps']:>5.2f}" if has_fio else ""))
     lines.append(f"blocks read back and verified: {out['blocks_verified']}")
     return "\n".join(lines)
