@@ -265,6 +265,54 @@ def test_a_mamba_lookup_that_fails_midway_leaves_no_pin(tmp_path, monkeypatch):
         monkeypatch.undo()
 
 
+def test_hand_offs_are_read_in_build_connector_meta_and_filtered(tmp_path):
+    """The connector sees vLLM's boundary hand-offs in build_connector_meta (vLLM clears
+    them from the scheduler output right after) and plans the state it names; the same
+    hand-off of a request preempted or finished that step is not stored."""
+    import dataclasses
+
+    store = tmp_path / "store"
+    p = prompts(94, 1, 140)[0]
+    with kv_harness(store, **MAMBA) as h:
+        s = sched(h)
+        seen = []
+        orig = s.build_connector_meta
+
+        def spy(so):
+            bs = so.kv_connector_block_state
+            if bs is not None and bs.boundary_state_offloads:
+                seen.append((so, {r: list(e) for r, e in bs.boundary_state_offloads.items()}))
+            return orig(so)
+        s.build_connector_meta = spy
+        rid = h.add_request(p, max_tokens=2)
+        h.step()
+        assert len(seen) == 1
+        so, offloads = seen[0]
+        ((g, block_id, boundary),) = offloads[rid]
+        assert (g, boundary) == (SSM, 128) and block_id != 0
+        assert so.kv_connector_block_state is None          # cleared by vLLM
+        key = _keys(h, p, SSM)[7]
+        assert key in s._storing_keys                      # planned from the hand-off
+        from vllm.v1.core.sched.output import KVConnectorBlockState
+        blocks = KVConnectorBlockState(req_ids={rid}, resolve_block_ids=lambda r: (),
+                                       boundary_state_offloads=offloads)
+        s._storing_keys.discard(key)        # as if not planned: only the filters decide
+        try:
+            for gone, want in ((dict(preempted_req_ids={rid}), []),
+                               (dict(finished_req_ids={rid}), []),
+                               ({}, [key])):
+                out = dataclasses.replace(so, kv_connector_block_state=blocks, **gone)
+                keys, bids, origins = [], [], []
+                s._plan_boundary_states(out, 16, keys, bids, origins)
+                assert keys == want, gone
+                assert bids == ([block_id] if want else [])
+        finally:
+            s._storing_keys.add(key)        # the real store job still holds it
+        h.drain()
+        settle(h)
+        assert _on_disk(h, [key]) == [True] and key not in s._storing_keys
+
+
 def test_lazy_policy_stores_mamba_states_from_the_hand_offs(tmp_path):
     """With store_policy lazy, attention blocks are stored as vLLM is about to evict
     them, and Mamba states only from the hand-offs (the free queue's Mamba blocks are
