@@ -56,7 +56,8 @@ def gather(path: str) -> dict:
         "slot_size": geo.slot_size,
         "block_bytes": layout.block_bytes,
         "slots_per_file": geo.slots_per_file,
-        "files_per_rank": geo.num_files,
+        "files_per_rank": sum(geo.device_files(d) for d in range(geo.num_devices)),
+        "num_devices": geo.num_devices,
         "tp_size": layout.tp_size,
         "writer_pid": WriterLock.holder(path),
     }
@@ -209,7 +210,8 @@ def format_text(info: dict) -> str:
     rows.append(("capacity",
                  f"{format_size(info['capacity_bytes'])}: {info['capacity_slots']:,} slots of "
                  f"{format_size(info['slot_size'])} x {info['tp_size']} rank(s), "
-                 f"{info['files_per_rank']} slot file(s) per rank"))
+                 f"{info['files_per_rank']} slot file(s) per rank"
+                 + (f" over {info['num_devices']} devices" if info.get("num_devices", 1) > 1 else "")))
     if "used_slots" in info:
         cap = info["capacity_slots"]
         rows.append(("slots", f"used {info['used_slots']:,} ({_pct(info['used_slots'], cap)}), "
