@@ -230,6 +230,9 @@ class EngineHarness:
             token into the block of that position; a request starting from a hit is
             verified on the state block at its hit's end.
         mamba_cache_mode: the cache config's (and MambaSpec's) mode with ``mamba``.
+        retention_interval: vLLM's ``prefix_cache_retention_interval`` (sliding-window
+            and Mamba checkpoints it keeps: 0, its default, only the replay boundary
+            and shared-prefix junctions; N also one every N tokens; None all).
     """
 
     def __init__(
@@ -258,6 +261,7 @@ class EngineHarness:
         sliding_window: int | None = None,
         mamba: bool = False,
         mamba_cache_mode: str = "align",
+        retention_interval: int | None = 0,
     ):
         from vllm.config import (
             CacheConfig,
@@ -341,6 +345,8 @@ class EngineHarness:
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
             prefix_caching_hash_algo=hash_algo,
+            **({} if retention_interval == 0
+               else {"prefix_cache_retention_interval": retention_interval}),
         )
         ktc = None
         if kv_transfer_config is not None:

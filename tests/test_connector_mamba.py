@@ -117,6 +117,34 @@ def test_a_hit_ends_at_the_last_stored_mamba_state(tmp_path):
         assert hit == 192
 
 
+@pytest.mark.parametrize("interval, chunk, states", [
+    (64, 64, [3, 7, 11]),       # every 64 tokens, where a 64-token prefill chunk ended
+    (64, 256, [11]),            # one chunk: no state at 64 or 128 was ever computed
+    (0, 64, [11]),              # vLLM's default: the replay boundary only
+])
+def test_hits_land_on_the_states_vllm_retained(tmp_path, interval, chunk, states):
+    """vLLM's prefix_cache_retention_interval decides which Mamba states are handed off
+    (align mode materializes a state only where a prefill chunk ends): a prompt sharing
+    150 or 100 tokens of a 200-token one hits exactly up to the last retained state at
+    or before its shared blocks, or not at all."""
+    store = tmp_path / "store"
+    a = prompts(95, 1, 200)[0]
+    with kv_harness(store, retention_interval=interval, max_num_batched_tokens=chunk,
+                    **MAMBA) as h:
+        h.run([a], max_tokens=1)
+        settle(h)
+        assert [i for i, x in enumerate(_on_disk(h, _keys(h, a, SSM))) if x] == states
+        assert all(_on_disk(h, _keys(h, a, SWA)))      # sliding window: stored densely
+        for share in (150, 100):
+            b = a[:share] + prompts(96, 1, 60)[0]
+            s, hit = _replay(h, [b], max_tokens=1)
+            want = max([(i + 1) * BS for i in states if (i + 1) * BS <= share], default=0)
+            assert hit == want, (share, hit)
+            assert s["blocks_mismatched"] == 0
+            if want:
+                loads_ok(s)
+
+
 def test_a_hit_moves_back_when_the_state_is_dropped(tmp_path):
     """With the state at 128 dropped from disk, the same prompt finds no state at or
     before its end: a miss (not a hit without its state), recomputed and stored again."""
