@@ -363,6 +363,24 @@ def test_lazy_policy_stores_mamba_states_from_the_hand_offs(tmp_path):
         assert s["external_hit_tokens"] == 2 * 8 * BS
 
 
+def test_a_stored_mamba_state_is_announced_with_its_group(tmp_path):
+    """The STORAGE BlockStored event of a Mamba state names the Mamba group and the
+    block hash at its boundary, and carries that block's tokens."""
+    from connector_util import event_hash
+    from vllm.distributed.kv_events import BlockStored
+    store = tmp_path / "store"
+    ps = prompts(97, 2, 140)
+    with kv_harness(store, kv_events=True, **MAMBA) as h:
+        h.run(ps, max_tokens=1)
+        settle(h)
+        h.step()                                    # publish the last step's events
+        ev = [e for e in h.events if isinstance(e, BlockStored) and e.medium == "STORAGE"
+              and e.group_idx == SSM]
+        want = {event_hash(_keys(h, p, SSM)[7]): p[7 * BS:8 * BS] for p in ps}
+        assert {e.block_hashes[0]: list(e.token_ids) for e in ev} == want
+        assert all(len(e.block_hashes) == 1 and e.block_size == BS for e in ev)
+
+
 # -- refusals at start ------------------------------------------------------------------
 
 def _groups(*specs):
