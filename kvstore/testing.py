@@ -228,7 +228,9 @@ class EngineHarness:
             parts, full attention first, then sliding window (if set), then Mamba.
             The fake forward writes, after each step, the state of the prefix's last
             token into the block of that position; a request starting from a hit is
-            verified on the state block at its hit's end.
+            verified on the state block at its hit's end. An int k > 1 makes k Mamba
+            groups (a hybrid with k times as many Mamba layers as attention layers,
+            which vLLM splits into groups of equal size).
         mamba_cache_mode: the cache config's (and MambaSpec's) mode with ``mamba``.
         retention_interval: vLLM's ``prefix_cache_retention_interval`` (sliding-window
             and Mamba checkpoints it keeps: 0, its default, only the replay boundary
@@ -259,7 +261,7 @@ class EngineHarness:
         hash_algo: str = "sha256",
         verify: bool = True,
         sliding_window: int | None = None,
-        mamba: bool = False,
+        mamba: bool | int = False,
         mamba_cache_mode: str = "align",
         retention_interval: int | None = 0,
     ):
@@ -309,10 +311,14 @@ class EngineHarness:
                 raise ValueError(f"sliding_window must be a positive int, got {sliding_window!r}")
             sliding_window = int(sliding_window)
         self.sliding_window = sliding_window
-        self.mamba = bool(mamba)
-        #: kind of each KV cache group: "full", then "swa" and/or "mamba"
+        if isinstance(mamba, bool):
+            mamba = int(mamba)
+        if not isinstance(mamba, int) or mamba < 0:
+            raise ValueError(f"mamba must be a bool or a number of Mamba groups, got {mamba!r}")
+        self.mamba = mamba > 0
+        #: kind of each KV cache group: "full", then "swa" and/or "mamba" (once per group)
         self.group_kinds = ["full"] + (["swa"] if sliding_window is not None else []) \
-            + (["mamba"] if self.mamba else [])
+            + ["mamba"] * mamba
         k = len(self.group_kinds)
         if k > 1 and (self.num_layers < k or self.num_layers % k):
             if k == 2 and not self.mamba:

@@ -145,6 +145,30 @@ def test_hits_land_on_the_states_vllm_retained(tmp_path, interval, chunk, states
                 loads_ok(s)
 
 
+def test_several_mamba_groups_each_need_their_state(tmp_path):
+    """A hybrid with twice as many Mamba layers as attention layers: vLLM makes two Mamba
+    groups. A restart hits with both states; with one group's state dropped, there is
+    no hit (every group must have its state at the end)."""
+    store = tmp_path / "store"
+    kw = dict(num_layers=4, sliding_window=WINDOW, mamba=2)
+    ps = prompts(98, 2, 140)
+    with kv_harness(store, **kw) as h:
+        assert [k for k, _ in sched(h).group_kinds] == ["full", "swa", "mamba", "mamba"]
+        h.run(ps, max_tokens=2)
+        settle(h)
+        for g in (2, 3):
+            assert all(_on_disk(h, _keys(h, p, g)) == [False] * 7 + [True] for p in ps)
+    with kv_harness(store, **kw) as h:
+        s = h.run(ps, max_tokens=2)
+        loads_ok(s)
+        assert s["external_hit_tokens"] == 2 * 8 * BS
+        assert s["blocks_loaded"] == 2 * (8 + WINDOW // BS + 2)
+        sched(h).index.drop([_keys(h, ps[0], 3)[7]])
+        sched(h).index.flush()
+        s, hit = _replay(h, ps, max_tokens=1)
+        assert hit == 8 * BS and s["blocks_mismatched"] == 0   # only ps[1] hits
+
+
 def test_a_hit_moves_back_when_the_state_is_dropped(tmp_path):
     """With the state at 128 dropped from disk, the same prompt finds no state at or
     before its end: a miss (not a hit without its state), recomputed and stored again."""

@@ -290,6 +290,8 @@ def test_a_corrupt_mamba_state_is_detected_and_its_padding_is_not_read():
 def test_mamba_harness_arguments_are_checked():
     with pytest.raises(ValueError, match="multiple of 3"):
         EngineHarness(num_layers=4, sliding_window=32, mamba=True)
+    with pytest.raises(ValueError, match="number of Mamba groups"):
+        EngineHarness(num_layers=3, mamba=-1)
     with EngineHarness(num_layers=2, mamba=True) as h:     # full + Mamba: two groups
         assert h.group_kinds == ["full", "mamba"] and h.num_groups == 2
         st = h.run(_prompts(8, 2, 70), max_tokens=2)
