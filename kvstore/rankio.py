@@ -319,7 +319,8 @@ class RankIO:
             self._pool.shutdown(wait=True)
             self._pool = None
         if self._dev_pool is not None:
-            self._dev_pool.shutdown(wait=True)
+            for pool in self._dev_pool:
+                pool.shutdown(wait=True)
             self._dev_pool = None
         for ring in self.rings:
             ring.close()
@@ -371,9 +372,12 @@ class RankIO:
         return self._fd_table[devs, fidx], offs.astype(np.uint64), devs
 
     def _device_pool(self):
+        """One single-thread executor per device: device d's ring is only ever used by its
+        own thread, and its parts of consecutive batches run back to back (FIFO)."""
         if self._dev_pool is None:
             from concurrent.futures import ThreadPoolExecutor
-            self._dev_pool = ThreadPoolExecutor(self.ndev, thread_name_prefix=f"kvstore-dev-r{self.rank}")
+            self._dev_pool = [ThreadPoolExecutor(1, thread_name_prefix=f"kvstore-dev{d}-r{self.rank}")
+                              for d in range(self.ndev)]
         return self._dev_pool
 
     def _fan(self, devs: np.ndarray, call):
@@ -390,8 +394,8 @@ class RankIO:
         groups = [(d, i) for d, i in groups if i.size]
         if len(groups) <= 1:
             return call(groups[0][0] if groups else 0, None)
-        pool = self._device_pool()
-        futs = [(idx, pool.submit(call, d, idx)) for d, idx in groups]
+        pools = self._device_pool()
+        futs = [(idx, pools[d].submit(call, d, idx)) for d, idx in groups]
         parts, exc = [], None
         for idx, fut in futs:
             try:
@@ -547,9 +551,14 @@ class RankIO:
         # the other half of staging: Ring.submit runs its whole submit/reap loop without
         # the GIL, so disk and CPU work overlap (one submit in flight at a time, so the
         # ring is never used by two threads at once).
+        # With several devices, two: chunk k+1's parts are queued on every device's own
+        # thread while chunk k's are still running, so a device that finished its part
+        # of chunk k goes on with chunk k+1 instead of waiting for the slowest device
+        # (each ring is still used by one thread only: its device's, see _fan).
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvstore-ring-r{self.rank}")
+            self._pool = ThreadPoolExecutor(1 if self.ndev == 1 else 2,
+                                            thread_name_prefix=f"kvstore-ring-r{self.rank}")
         return self._pool
 
     def _pipeline(self, nchunks: int, ring_op, after, before=None, *, overlap: bool) -> None:

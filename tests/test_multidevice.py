@@ -117,9 +117,13 @@ def test_devices_serve_in_parallel_with_their_own_queues(tmp_path, disks):
         assert [r.queue_depth for r in rio.rings] == [4, 4, 4]
         seen = {}
 
+        import threading
+        threads = {}
+
         def spy(d):
             def inj(op, fds, offs, lens):
                 seen.setdefault(d, []).append((op, len(fds)))
+                threads.setdefault(d, set()).add(threading.current_thread().name)
                 return []
             return inj
         for d, ring in enumerate(rio.rings):
@@ -134,6 +138,8 @@ def test_devices_serve_in_parallel_with_their_own_queues(tmp_path, disks):
             assert sum(n for op, n in seen[d] if op == "write") == 15
             assert sum(n for op, n in seen[d] if op == "read") == 15
             assert ("fdatasync", 1) in seen[d]          # each device syncs its own file
+            # each ring is only ever used by its own device thread
+            assert len(threads[d]) == 1 and threads[d].pop().startswith(f"kvstore-dev{d}-")
         # a fault on one device fails only that device's blocks
         rio.rings[1].fault_injector = lambda op, fds, offs, lens: (
             [(i, "error", errno.EIO) for i in range(len(fds))] if op == "read" else [])
