@@ -409,3 +409,33 @@ def test_connector_serves_from_a_store_over_three_devices(tmp_path, disks):
     with pytest.raises(Exception, match="data_dirs"):
         with kv_harness(store, tp_size=2, extra={"data_dirs": disks[:2]}, check=False):
             pass
+
+
+def test_rebuild_index_from_every_device(tmp_path, disks):
+    import shutil
+    from kvstore.tools.fsck import fsck
+    with _create(tmp_path, disks, nslots=40) as st:
+        ks = keys(25)
+        st.put(ks, payload)
+        store = st.path
+    shutil.rmtree(os.path.join(store, "index"))
+    rep = fsck(store, rebuild_index=True)
+    assert rep.exit_code == 1 and rep.stats["rebuilt_entries"] == 25
+    assert rep.stats["device_bytes_read"][0] >= 14 * SLOT * 2   # every slot of every device
+    with DiskStore(store, LAYOUT, io=True, staging_bytes=1 << 20) as st:
+        got = st.get(ks)
+        assert [got[k][1] for k in ks] == [payload(i, 1).tobytes() for i in range(25)]
+
+
+@pytest.mark.parametrize("bad", [["relative/dir"], [], "one/dir", ["/a", "/a"], [1]])
+def test_damaged_data_dirs_field_is_refused(tmp_path, bad):
+    from kvstore.tools.info import gather
+    DiskStore.create(str(tmp_path / "s"), LAYOUT1, 10 * SLOT).close()
+    fp = tmp_path / "s" / "kvstore.json"
+    doc = json.loads(fp.read_text())
+    doc["data_dirs"] = bad
+    fp.write_text(json.dumps(doc))
+    with pytest.raises(KVStoreError, match="data_dirs"):
+        read_fingerprint(str(tmp_path / "s"))
+    with pytest.raises(KVStoreError, match="damaged"):
+        gather(str(tmp_path / "s"))
