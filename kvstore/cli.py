@@ -37,7 +37,9 @@ def bench():
 
 @bench.command("io")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
-              help="Directory on the device to measure (default: a temporary directory).")
+              help="Directory on the device to measure, or several comma-separated (A,B,C: "
+                   "one per device; kvstore stripes a store over them, fio runs a job on each "
+                   "at once). Default: a temporary directory.")
 @click.option("--size", default="4G", show_default=True, help="Total bytes per system and phase.")
 @click.option("--block-size", default="2M", show_default=True, help="Bytes per I/O (e.g. 2M, 128K).")
 @click.option("--queue-depth", default=32, show_default=True, type=click.IntRange(1, 4096))

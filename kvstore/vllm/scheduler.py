@@ -61,7 +61,8 @@ class KVStoreScheduler:
         self.has_mamba = bool(self._mamba_groups)
         self._stored_upto_g: dict[str, list[int]] = {}   # hybrid: per-group store cursor
         self.tp_size = layout.tp_size
-        ensure_store(cfg.path, layout, cfg.capacity, io_mode=cfg.io_mode, create=cfg.create)
+        ensure_store(cfg.path, layout, cfg.capacity, io_mode=cfg.io_mode, create=cfg.create,
+                     data_dirs=cfg.data_dirs)
         self.store = DiskStore(cfg.path, layout, sync=cfg.durability != "none")
         self.events_enabled = events_enabled
         sc = vllm_config.scheduler_config
