@@ -14,6 +14,18 @@ Sections (each reports ok/fail and its numbers; one failing does not stop the ot
                (LBNHC) and block-major (BLNHC); GPU -> staging -> disk (io_uring) ->
                staging -> other GPU blocks, byte-exact, every other block untouched;
                CUDA also runs the per-segment cuMemcpyAsync fallback
+  hybrid       a hybrid model's KV cache (12 layers interleaved Mamba, sliding window,
+               full attention: three KV cache groups overlaying one allocation, the
+               Mamba state padded to the attention page), placed as vLLM 0.33's
+               planner places it (checked field for field against vLLM's planner and
+               allocate_kv_cache where vLLM imports), layer- and block-major: the
+               worker's check_groups_alias, then blocks of every group stored and
+               loaded through the carrier (first full-attention) group's views: the
+               loaded pages byte-exact (through each group's own views too: attention
+               pages, Mamba states, and the padding after each state, which travels
+               with its page), every other byte of the allocation untouched, the store
+               read-only, staging payloads = the carrier pages with each Mamba state at
+               its page's head, and a misplaced Mamba view refused
   ordering     (CUDA) a slow kernel writes a block, then the store is issued: the store
                holds the kernel's bytes; a block overwritten right after the store was
                issued (behind the fence): the store holds the old bytes
@@ -52,6 +64,7 @@ import sys
 import tempfile
 import time
 import traceback
+from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -378,6 +391,305 @@ def sec_roundtrip(rep: Report, ctx: Ctx):
     return {"ok": ok, "cases": results}
 
 
+
+# -- hybrid models: full attention + sliding window + Mamba over one allocation -------
+class OwnMambaSpec(SimpleNamespace):
+    """The script's Mamba spec where vLLM is not installed (the lent GPU machine)."""
+
+
+HYBRID_KINDS = ("mamba", "swa", "full")   # model layer i is HYBRID_KINDS[i % 3]
+
+
+def hybrid_geometry(ctx):
+    """A Mamba2-like hybrid, 12 layers interleaved mamba, sliding window, full: bf16
+    attention pages of 64 KiB per layer (16 tokens x 8 heads x 128 x K,V) and a 44 KiB
+    Mamba state per layer (conv (3, 2048) + SSM (16, 16, 64), fp16) padded to that page."""
+    t = ctx.torch
+    return dict(block_size=16, heads=8, head=128, dtype=t.bfloat16, window=128,
+                mamba_shapes=((3, 2048), (16, 16, 64)), mamba_dtypes=(t.float16, t.float16),
+                num_layers=12)
+
+
+def _layer_name(i):
+    return f"model.layers.{i}.{'mixer' if HYBRID_KINDS[i % 3] == 'mamba' else 'self_attn.attn'}"
+
+
+def vllm_hybrid_kv(ctx, layout: str, num_blocks: int, geo: dict):
+    """vLLM 0.33's own hybrid layout: `get_kv_cache_groups` and
+    `get_kv_cache_config_from_groups` (hybrid KV cache manager on, Mamba in "align"
+    mode, as the engine core plans a hybrid model) and `allocate_kv_cache`'s views.
+    Returns (kv_cache_config, {name: view}, [group kind])."""
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+    if getattr(ctx, "_hybrid_vllm_config", None) is None:
+        # A VllmConfig as the engine core resolves it for a hybrid Mamba model (the test
+        # harness builds exactly that; its own tiny model is not used).
+        from kvstore.testing import EngineHarness
+        h = EngineHarness(num_layers=3, sliding_window=geo["window"], mamba=True,
+                          num_gpu_blocks=num_blocks, layout=layout)
+        ctx._hybrid_vllm_config = h.vllm_config
+        h.shutdown()
+    vc = ctx._hybrid_vllm_config
+    vc.cache_config.kv_cache_layout = layout
+    vc.cache_config.num_gpu_blocks_override = num_blocks
+    bs = geo["block_size"]
+    full = FullAttentionSpec(block_size=bs, num_kv_heads=geo["heads"], head_size=geo["head"], dtype=geo["dtype"])
+    specs = {"full": full,
+             "swa": SlidingWindowSpec(block_size=bs, num_kv_heads=geo["heads"], head_size=geo["head"],
+                                      dtype=geo["dtype"], sliding_window=geo["window"]),
+             "mamba": MambaSpec(block_size=bs, shapes=geo["mamba_shapes"], dtypes=geo["mamba_dtypes"],
+                                page_size_padded=full.page_size_bytes, mamba_cache_mode="align")}
+    per_layer = {_layer_name(i): specs[HYBRID_KINDS[i % 3]] for i in range(geo["num_layers"])}
+    groups = get_kv_cache_groups(vc, per_layer)
+    per_block = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
+    cfg = get_kv_cache_config_from_groups(vc, groups, per_block * num_blocks)
+    cfg.kv_cache_layout = layout
+    kv = allocate_kv_cache(cfg, ctx.dev, KVCacheLayout[layout], [bs] * len(groups))
+    kind = {FullAttentionSpec: "full", SlidingWindowSpec: "swa", MambaSpec: "mamba"}
+    return cfg, kv, [kind[type(g.kv_cache_spec)] for g in cfg.kv_cache_groups]
+
+
+def own_hybrid_kv(ctx, layout: str, num_blocks: int, geo: dict):
+    """The same placement built here (no vLLM), as vLLM 0.33's planner lays a hybrid out:
+    one KV cache group per kind, in the order the kinds first appear in the model, each
+    with the same number of layers; one KVCacheTensor per group, all of them aliasing one
+    allocation from byte 0 (layer-major: layer_stride = blocks x page, block_stride =
+    page; block-major: layer_stride = page, block_stride = layers x page); the Mamba
+    page padded to the attention page. Attention views are vLLM's [B, H, N, 2C] views,
+    a Mamba layer's view is [B, 1, 1, state_bytes] int8 at its page's head."""
+    t = ctx.torch
+    bs, H, C, dt = geo["block_size"], geo["heads"], geo["head"], geo["dtype"]
+    es = t.empty(0, dtype=dt).element_size()
+    page = bs * H * 2 * C * es
+    state = sum(_prod(s) * t.empty(0, dtype=d).element_size()
+                for s, d in zip(geo["mamba_shapes"], geo["mamba_dtypes"]))
+    assert state <= page, (state, page)
+    order = []
+    for i in range(geo["num_layers"]):
+        if HYBRID_KINDS[i % 3] not in order:
+            order.append(HYBRID_KINDS[i % 3])
+    names = {k: [_layer_name(i) for i in range(geo["num_layers"]) if HYBRID_KINDS[i % 3] == k] for k in order}
+    L = len(names[order[0]])
+    assert all(len(v) == L for v in names.values())
+    ls, bstride = (page, L * page) if layout.startswith("BL") else (num_blocks * page, page)
+    size = num_blocks * L * page
+    buf = t.zeros(size, dtype=t.int8, device=ctx.dev)
+    kv, tensors, groups = {}, [], []
+    for k in order:
+        for l, n in enumerate(names[k]):
+            if k == "mamba":
+                kv[n] = buf.as_strided((num_blocks, 1, 1, state), (bstride, state, state, 1), l * ls)
+            else:
+                kv[n] = buf.view(dt).as_strided((num_blocks, H, bs, 2 * C), (bstride // es, 2 * C, H * 2 * C, 1),
+                                                l * ls // es)
+        tensors.append(SimpleNamespace(size=size, layers=names[k], layer_stride=ls, block_stride=bstride,
+                                       offset=0))
+        if k == "mamba":
+            spec = OwnMambaSpec(block_size=bs, page_size_bytes=page, real_page_size_bytes=state,
+                                page_size_padded=page)
+        else:
+            spec = SimpleNamespace(block_size=bs, page_size_bytes=page, num_kv_heads=H, head_size=C, dtype=dt)
+        groups.append(SimpleNamespace(layer_names=names[k], kv_cache_spec=spec))
+    cfg = SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups,
+                          kv_cache_layout=layout, num_blocks_of=lambda _t: num_blocks)
+    return cfg, kv, list(order)
+
+
+def _prod(shape):
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def _placement(cfg, kv, kinds):
+    """What decides where every byte of a hybrid KV cache is: groups, tensors, views."""
+    base = next(iter(kv.values())).untyped_storage().data_ptr()
+    return {"num_blocks": int(cfg.num_blocks),
+            "groups": [(k, list(g.layer_names)) for k, g in zip(kinds, cfg.kv_cache_groups)],
+            "tensors": [(list(x.layers), int(x.size), int(x.offset), int(x.layer_stride), int(x.block_stride))
+                        for x in cfg.kv_cache_tensors],
+            "views": {n: (v.data_ptr() - base, tuple(v.shape), tuple(v.stride()), str(v.dtype))
+                      for n, v in sorted(kv.items())}}
+
+
+def hybrid_placement_matches_vllm(rep, ctx, layouts, num_blocks, geo):
+    """Where vLLM imports: the placement built here is vLLM's, field for field."""
+    try:
+        import vllm.v1.worker.utils  # noqa: F401
+    except Exception as exc:
+        rep.line(f"   placement vs vLLM's planner: not checked here (vLLM does not import: "
+                 f"{type(exc).__name__}); the --device cpu run checks it")
+        return {"checked": False}
+    out = {"checked": True, "ok": True}
+    for layout in layouts:
+        a = _placement(*own_hybrid_kv(ctx, layout, num_blocks, geo))
+        b = _placement(*vllm_hybrid_kv(ctx, layout, num_blocks, geo))
+        same = a == b
+        out[layout] = same
+        out["ok"] &= same
+        diff = "" if same else "; differs: " + ", ".join(k for k in a if a[k] != b[k])
+        rep.line(f"   placement {layout}: built here == vLLM's get_kv_cache_config_from_groups + "
+                 f"allocate_kv_cache: {'yes' if same else 'NO'}{diff}")
+        if not same:
+            out[f"{layout}_here"], out[f"{layout}_vllm"] = a, b
+    return out
+
+
+def sec_hybrid(rep: Report, ctx: Ctx):
+    """Byte-exact round trips of a hybrid model's blocks (full attention, sliding window
+    and padded Mamba states overlaying one allocation) through the carrier group's
+    views, exactly as the worker builds its transfer (`check_groups_alias`, then
+    `KVTransfer(..., (carrier,))`)."""
+    t = ctx.torch
+    import random
+
+    import numpy as np
+    from kvstore import transfer as tr
+    from kvstore.errors import ConfigError
+    geo = hybrid_geometry(ctx)
+    NB, per = 64, 8                 # 64 blocks; per group: 8 stored, 8 loaded into
+    layouts = ("LBNHC", "BLNHC")
+    cases = [(lay, True) for lay in layouts] + ([("LBNHC", False)] if ctx.cuda else [])
+    out = {"placement": hybrid_placement_matches_vllm(rep, ctx, layouts, NB, geo), "cases": []}
+    ok = out["placement"].get("ok", True)
+    for layout, use_batch in cases:
+        build = vllm_hybrid_kv if ctx.kv_source == "vllm" else own_hybrid_kv
+        cfg, kv, kinds = build(ctx, layout, NB, geo)
+        groups = cfg.kv_cache_groups
+        if ctx.kv_source == "vllm":
+            from kvstore.vllm.config import carrier_group
+            carrier = carrier_group(groups)
+        else:
+            carrier = kinds.index("full")
+        cnames = list(groups[carrier].layer_names)
+        ct = next(x for x in cfg.kv_cache_tensors if list(x.layers) == cnames)
+        page = int(groups[carrier].kv_cache_spec.page_size_bytes)
+        mg = kinds.index("mamba")
+        state = int(groups[mg].kv_cache_spec.real_page_size_bytes)
+        L = len(cnames)
+        storage = kv[cnames[0]].untyped_storage()
+        raw = t.empty(0, dtype=t.uint8, device=ctx.dev).set_(storage, 0, (storage.nbytes(),), (1,))
+
+        def at(l, b):               # byte offset of carrier layer l's page of block b
+            return int(ct.offset) + l * int(ct.layer_stride) + b * int(ct.block_stride)
+
+        # Which group owns which block (vLLM hands a block id to one group at a time);
+        # block 0 is vLLM's null block, never loaded into.
+        rng = random.Random(13)
+        blocks = list(range(1, NB))
+        rng.shuffle(blocks)
+        src = {k: blocks[i * per:(i + 1) * per] for i, k in enumerate(kinds)}
+        dst = {k: blocks[(3 + i) * per:(4 + i) * per] for i, k in enumerate(kinds)}
+        pairs = [(k, src[k][j], dst[k][j]) for j in range(per) for k in kinds]   # groups interleaved
+        s_all, d_all, n = [p[1] for p in pairs], [p[2] for p in pairs], len(pairs)
+        g = t.Generator(device=ctx.dev).manual_seed(5)
+        raw.copy_(t.randint(0, 256, raw.shape, dtype=t.uint8, device=ctx.dev, generator=g))
+        ctx.sync()
+        st, rio, staging, lay = ctx.store(f"hy-{layout}-{'b' if use_batch else 's'}",
+                                          layout_kw("bf16", cnames, page, layout=layout), n + 4, 2 * n)
+        patched = ctx.kv_source != "vllm"
+        orig_is_mamba = tr._is_mamba
+        if patched:     # no vLLM here: check_groups_alias learns the script's Mamba spec class
+            tr._is_mamba = lambda spec: isinstance(spec, OwnMambaSpec) or orig_is_mamba(spec)
+        xfer = None
+        try:
+            tr.check_groups_alias(kv, cfg, carrier)          # what the worker runs first
+            # ... and refuses a Mamba view that is not at the head of the carrier's page
+            mname = groups[mg].layer_names[0]
+            bad = dict(kv)
+            bad[mname] = raw.view(t.int8).as_strided(kv[mname].shape, kv[mname].stride(), at(0, 0) + page)
+            try:
+                tr.check_groups_alias(bad, cfg, carrier)
+                refuses = False
+            except ConfigError:
+                refuses = True
+            xfer = tr.KVTransfer(kv, cfg, staging, (carrier,), use_batch=use_batch)
+            before = raw.clone()
+            views_before = {nm: kv[nm].view(t.uint8)[s_all].clone()
+                            for grp in groups for nm in grp.layer_names}
+            refs, _ = st.reserve([b"hy-%s-%d-%d" % (k.encode(), s, d) for k, s, d in pairs])
+            xfer.wait(xfer.gather(s_all, list(range(n))))    # a step's stores, all groups
+            ctx.sync()
+            gather_clean = t.equal(raw, before)              # a store reads only
+            # The staging payload of block b is its carrier pages, layer after layer; a
+            # Mamba block's page l starts with the state its Mamba layer l's view reads.
+            pay = t.from_numpy(np.stack([staging.payload_view(j)[:L * page] for j in range(n)])).to(ctx.dev)
+            want = t.stack([t.cat([before[at(l, b):at(l, b) + page] for l in range(L)]) for b in s_all])
+            staged_pages = t.equal(pay, want)
+            staged_states = all(
+                t.equal(pay[j, l * page:l * page + state], kv[nm][b].reshape(-1).view(t.uint8))
+                for j, (k, b, _) in enumerate(pairs) if k == "mamba"
+                for l, nm in enumerate(groups[mg].layer_names))
+            werr = rio.write_staged(refs, list(range(n)))
+            st.commit([r for r, e in zip(refs, werr) if e is None])
+            staging.numpy()[:] = 0
+            rerr = rio.read_staged(refs, list(range(n, 2 * n)))
+            xfer.wait(xfer.scatter(list(range(n, 2 * n)), d_all, xfer.mark()))
+            ctx.sync()
+            # 1. every byte: the loaded blocks' carrier pages are the stored blocks'
+            #    pages, all other bytes of the allocation (every other block of every
+            #    layer: free, stored, Mamba blocks not loaded) are as they were
+            expect, mask = before.clone(), t.zeros_like(before, dtype=t.bool)
+            for s, d in zip(s_all, d_all):
+                for l in range(L):
+                    expect[at(l, d):at(l, d) + page] = before[at(l, s):at(l, s) + page]
+                    mask[at(l, d):at(l, d) + page] = True
+            exact = t.equal(raw[mask], expect[mask])
+            untouched = t.equal(raw[~mask], before[~mask])
+            # 2. through each group's own views (what vLLM's kernels read): attention
+            #    pages, Mamba states, and the page padding after each state (carried with
+            #    the page, as a store keeps it)
+            by_group = {}
+            for gi, grp in enumerate(groups):
+                k = kinds[gi]
+                js = [j for j, p in enumerate(pairs) if p[0] == k]
+                ds = [pairs[j][2] for j in js]
+                by_group[k] = all(t.equal(kv[nm].view(t.uint8)[ds], views_before[nm][js]) for nm in grp.layer_names)
+            mpairs = [(s, d) for k, s, d in pairs if k == "mamba"]
+            padding = all(t.equal(raw[at(l, d) + state:at(l, d) + page], before[at(l, s) + state:at(l, s) + page])
+                          for s, d in mpairs for l in range(L))
+            io_ok = not any(werr) and not any(rerr)
+            case_ok = (exact and untouched and gather_clean and staged_pages and staged_states
+                       and all(by_group.values()) and padding and io_ok and refuses)
+            ok &= case_ok
+            r = {"layout": layout, "batch": xfer.engine.batch, "carrier_group": carrier, "groups": kinds,
+                 "blocks": n, "page_bytes": page, "mamba_state_bytes": state, "block_bytes": lay.block_bytes,
+                 "segments_per_block": xfer.engine.rows_per_block, "byte_exact": exact,
+                 "others_untouched": untouched, "store_left_kv_unchanged": gather_clean,
+                 "staged_carrier_pages": staged_pages, "staged_mamba_states": staged_states,
+                 "views_exact": by_group, "mamba_padding_carried": padding,
+                 "alias_check_refuses_misplaced_mamba": refuses, "alias_mamba_by_script": patched,
+                 "io_errors": [str(e) for e in werr + rerr if e], "ok": case_ok}
+            out["cases"].append(r)
+            yn = lambda v, good="ok", badw="FAIL": good if v else badw  # noqa: E731
+            rep.line(f"   {layout} {'batch' if r['batch'] else 'per-segment' if ctx.cuda else 'memcpy'}: "
+                     f"groups {'+'.join(kinds)} (carrier {carrier}), {n} blocks "
+                     f"({per} per group) x {L} layers x {page // KIB} KiB pages, Mamba state "
+                     f"{state} B + {page - state} B padding: loaded pages {yn(exact, 'exact', 'MISMATCH')}, "
+                     f"others {yn(untouched, 'untouched', 'CHANGED')}; views "
+                     + ", ".join(f"{k} {yn(v, 'exact', 'MISMATCH')}" for k, v in by_group.items())
+                     + f"; Mamba padding {yn(padding, 'carried', 'WRONG')}; staged "
+                     f"{yn(staged_pages and staged_states, 'carrier pages, states at their heads', 'WRONG')}; "
+                     f"store {yn(gather_clean, 'read-only', 'WROTE THE KV CACHE')}; misplaced Mamba view "
+                     f"{yn(refuses, 'refused', 'ACCEPTED')}; I/O {yn(io_ok, 'ok', 'ERRORS')}")
+        finally:
+            tr._is_mamba = orig_is_mamba
+            if xfer is not None:
+                xfer.close()
+            rio.close()
+            staging.close()
+            st.close()
+            del kv, raw
+    if ctx.kv_source != "vllm":
+        rep.line("   (KV caches built by the script with vLLM's placement, not by vLLM; "
+                 "check_groups_alias told the script's Mamba spec class)")
+    out["ok"] = bool(ok)
+    return out
+
+
 def sec_ordering(rep: Report, ctx: Ctx):
     if not ctx.cuda:
         rep.line("   needs CUDA streams (CPU copies are synchronous)")
@@ -513,7 +825,8 @@ def _worker_step_times(rep, ctx, kv, cfg, names, page):
         while w.pending() and time.time() < deadline:
             time.sleep(0.005)
         wm = w.build_worker_meta()
-        stored = bool(wm and wm.store_reports.get(1) == [1, []])
+        sr = wm.store_reports.get(1) if wm else None    # a StoreReport (ranks, failed)
+        stored = sr is not None and (sr.ranks, list(sr.failed)) == (1, [])
         store.commit(refs)
         # a load of those blocks into other blocks, reported only once copied
         lmeta = KVStoreMetadata(loads=[LoadJob(2, "r", list(range(64, 96)), keys, [r.slot for r in refs],
@@ -745,8 +1058,9 @@ def sec_memory(rep: Report, ctx: Ctx):
         st.close()
 
 
-SECTIONS = [("roundtrip", sec_roundtrip), ("ordering", sec_ordering), ("step_thread", sec_step_thread),
-            ("bandwidth", sec_bandwidth), ("compute", sec_compute), ("memory", sec_memory)]
+SECTIONS = [("roundtrip", sec_roundtrip), ("hybrid", sec_hybrid), ("ordering", sec_ordering),
+            ("step_thread", sec_step_thread), ("bandwidth", sec_bandwidth), ("compute", sec_compute),
+            ("memory", sec_memory)]
 
 
 def main(argv=None) -> int:
