@@ -197,7 +197,8 @@ class ServingIndex:
                 continue
             skip.add(k)
             keys.append(k)
-            bids.append(block_ids[i])
+            b = block_ids[i]        # an int, or vLLM's KVCacheBlock (as KeyTable.plan_new reads it)
+            bids.append(b if isinstance(b, int) else b.block_id)
             idx.append(i)
         return keys, bids, idx
 

@@ -99,6 +99,73 @@ def test_keytable_pins_counts_and_the_walk_that_pins():
         t.pin([64])
     assert t.pinned_slots == 2
 
+def test_a_pinned_walk_that_raises_leaves_no_pin():
+    """A lookup that raises is a miss for the scheduler (it gets no slots to unpin), so the
+    walk must not keep the pins it took before the error: not for a hash that cannot be a
+    key two batches on (the pipelined walk hashes a batch ahead), not for an out-of-range
+    slot; nor a `pin` list with a bad slot at its end."""
+    t = KeyTable(128)
+    hashes = [b"h%031d" % i for i in range(70)]
+    for i, h in enumerate(hashes):
+        t.put(h + b"\x00\x00\x00\x00", i, 7)
+    with pytest.raises(TypeError):
+        t.prefix_of(hashes[:64] + [123], 0, 65, 0, True)    # batches 0, 1 hit; 2 is bad
+    assert t.pinned_slots == 0 and t.pins_dict() == {}
+    small = KeyTable(8)
+    small.put(b"a" * 32 + b"\x00" * 4, 1, 1)
+    small.put(b"b" * 32 + b"\x00" * 4, 50, 1)                # a slot the table cannot pin
+    with pytest.raises(ValueError, match="outside"):
+        small.prefix_of([b"a" * 32, b"b" * 32], 0, 2, 0, True)
+    assert small.pinned_slots == 0
+    with pytest.raises(ValueError, match="outside"):
+        t.pin([1, 2, 2, 128])
+    assert t.pinned_slots == 0 and t.pins_dict() == {}
+
+
+def test_a_miss_ends_the_walk_before_a_later_bad_hash():
+    """The pipelined walk hashes the next batch before probing this one; a miss in this
+    batch still ends the walk there, as it did unpipelined: a bad hash after the miss
+    is never looked at."""
+    t = KeyTable(128)
+    hashes = [b"h%031d" % i for i in range(40)]
+    for i, h in enumerate(hashes[:10]):
+        t.put(h + b"\x00\x00\x00\x00", i, 7)
+    walk = hashes[:36] + [None] + hashes[37:]               # the miss at 10, junk at 36
+    keys, slots, gens = t.prefix_of(walk, 0, 40, 0, True)
+    assert slots == list(range(10)) and t.pinned_slots == 10
+    t.unpin(slots)
+    for i, h in enumerate(hashes[:32]):
+        t.put(h + b"\x00\x00\x00\x00", i, 7)
+    with pytest.raises(TypeError):                          # reached (no miss before): raises
+        t.prefix_of(walk, 0, 40, 0, True)
+    assert t.pinned_slots == 0
+
+
+@pytest.mark.parametrize("path", ["table", "lmdb", "sync"])
+def test_plans_over_vllm_block_lists_give_block_ids_on_every_path(tmp_path, path):
+    """The scheduler hands `plan_new` vLLM's KVCacheBlock list; every path returns block
+    ids (ints), also the LMDB walk used while the table is built and by the synchronous
+    index (`index_thread: false`)."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    st = make(tmp_path, 32)
+    ix = SyncServingIndex(st) if path == "sync" else ServingIndex(st, pool_target=4)
+    try:
+        if path != "sync":
+            assert ix.wait_ready(10)
+            ix._ready = path == "table"         # "lmdb": the walk before the table is ready
+        hashes = [b"p%031d" % i for i in range(6)]
+        blocks = [KVCacheBlock(block_id=100 + i) for i in range(6)]
+        keys, bids, idx = ix.plan_new(hashes, 1, 5, blocks, set(), 10)
+        assert bids == [101, 102, 103, 104] and all(type(b) is int for b in bids)
+        assert idx == [1, 2, 3, 4] and len(keys) == 4
+        assert ix.plan_new(hashes, 0, 6, list(range(6)), set(), 2)[1] == [0, 1]   # ints too
+    finally:
+        if path != "sync":
+            ix._ready = True
+        ix.close()
+        st.close()
+
+
 def test_commit_is_a_hit_only_once_applied_and_survives_reopen(tmp_path):
     st = make(tmp_path, 64)
     ix = ServingIndex(st, pool_target=8)

@@ -135,10 +135,18 @@ cdef class KeyTable:
         return 0
 
     def pin(self, list slots):
-        """Pin count += 1 for each slot (a slot may appear more than once)."""
+        """Pin count += 1 for each slot (a slot may appear more than once). A slot out of
+        range (or not an int) raises, and then none of them is pinned."""
         cdef object s
-        for s in slots:
-            self._pin_slot(s)
+        cdef Py_ssize_t done = 0
+        try:
+            for s in slots:
+                self._pin_slot(s)
+                done += 1
+        except BaseException:
+            for s in slots[:done]:
+                self._unpin_slot(s)
+            raise
 
     def unpin(self, list slots):
         """Pin count -= 1 for each slot; unpinned slots are ignored."""
@@ -324,7 +332,9 @@ cdef class KeyTable:
         their slots are pinned in the same walk. Only the hit keys are made as bytes.
 
         Software-pipelined: batch k+1 is hashed and its buckets prefetched before batch k
-        is probed, so the cache misses of two batches are in flight together."""
+        is probed, so the cache misses of two batches are in flight together. A block hash
+        that cannot be made a key raises only if the walk gets to its batch (a miss before
+        it ends the walk, as without the pipelining); a walk that raises pins nothing."""
         cdef list keys = [], slots = [], gens = []
         cdef uint64_t fps[2][BATCH]
         cdef uint32_t fp2s[2][BATCH]
@@ -332,6 +342,7 @@ cdef class KeyTable:
         cdef Py_ssize_t lens[2][BATCH]
         cdef Py_ssize_t b, e, nb, ne, j, i, x
         cdef int cur = 0
+        cdef bint next_bad
         if start < 0:
             start = 0
         if stop > len(hashes):
@@ -340,29 +351,44 @@ cdef class KeyTable:
             return keys, slots, gens
         b = start
         e = min(stop, b + BATCH)
-        self._hash_batch(hashes, b, e, group, buf[0], lens[0], fps[0], fp2s[0])
-        while b < stop:
-            nb = e
-            ne = min(stop, nb + BATCH)
-            if nb < ne:
-                self._hash_batch(hashes, nb, ne, group, buf[1 - cur], lens[1 - cur],
-                                 fps[1 - cur], fp2s[1 - cur])
-            for j in range(e - b):
-                i = self._find(fps[cur][j], fp2s[cur][j])
-                if i < 0:
-                    return keys, slots, gens
-                keys.append(PyBytes_FromStringAndSize(<char *>buf[cur][j], lens[cur][j]))
-                x = self.t[i].slot
-                if pin:
-                    if x >= self.capacity:
+        try:
+            self._hash_batch(hashes, b, e, group, buf[0], lens[0], fps[0], fp2s[0])
+            while b < stop:
+                nb = e
+                ne = min(stop, nb + BATCH)
+                next_bad = False
+                if nb < ne:
+                    try:
+                        self._hash_batch(hashes, nb, ne, group, buf[1 - cur], lens[1 - cur],
+                                         fps[1 - cur], fp2s[1 - cur])
+                    except Exception:
+                        next_bad = True     # raised again below if the walk gets there
+                for j in range(e - b):
+                    i = self._find(fps[cur][j], fp2s[cur][j])
+                    if i < 0:
+                        return keys, slots, gens
+                    x = self.t[i].slot
+                    if pin and x >= self.capacity:
                         raise ValueError(f"slot {x} outside the table's capacity {self.capacity}")
+                    keys.append(PyBytes_FromStringAndSize(<char *>buf[cur][j], lens[cur][j]))
+                    slots.append(x)
+                    if pin:                 # every slot in `slots` is pinned once by us
+                        if self.pins[x] == 0:
+                            self.npinned += 1
+                        self.pins[x] += 1
+                    gens.append(self.t[i].gen)
+                if next_bad:                # no miss in this batch: the next one's error
+                    self._hash_batch(hashes, nb, ne, group, buf[1 - cur], lens[1 - cur],
+                                     fps[1 - cur], fp2s[1 - cur])
+                b, e = nb, ne
+                cur = 1 - cur
+        except BaseException:
+            if pin:                         # the caller gets no slots: it must hold no pins
+                for x in slots:
+                    self.pins[x] -= 1
                     if self.pins[x] == 0:
-                        self.npinned += 1
-                    self.pins[x] += 1
-                slots.append(x)
-                gens.append(self.t[i].gen)
-            b, e = nb, ne
-            cur = 1 - cur
+                        self.npinned -= 1
+            raise
         return keys, slots, gens
 
     cdef int _hash_batch(self, list hashes, Py_ssize_t b, Py_ssize_t e, uint32_t group,
