@@ -277,8 +277,11 @@ def warmup_cmd(store, prompts, from_store, model, capacity, engine_arg, all_bloc
               help="Also run the previous, synchronous design (index_thread: false).")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="Scratch directory (default: the system temp directory).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Also save a PNG chart (matplotlib) of the per-step distributions.")
 @click.option("--json", "as_json", is_flag=True)
-def bench_connector(index_entries, requests, prompt_tokens, baseline, directory, as_json):
+def bench_connector(index_entries, requests, prompt_tokens, baseline, directory, plot_path,
+                    as_json):
     """Connector time on vLLM's scheduler thread per step (p50/p99/max), store and load phases."""
     from kvstore.bench import connector_bench
     try:
@@ -286,6 +289,8 @@ def bench_connector(index_entries, requests, prompt_tokens, baseline, directory,
                                   prompt_tokens=prompt_tokens, baseline=baseline, workdir=directory)
     except (KVStoreError, OSError) as exc:
         _fail(exc)
+    if plot_path:
+        connector_bench.plot(out, plot_path)
     click.echo(json.dumps(out, indent=2) if as_json else connector_bench.format_table(out))
 
 

@@ -212,6 +212,9 @@ class _StepTimer:
                 # connector calls excluded), for scale
                 "vllm_scheduler_p50_ms": round(_pct(self.vllm, 0.5), 4),
                 "vllm_scheduler_p99_ms": round(_pct(self.vllm, 0.99), 4),
+                # every step, for plots: connector wall, its CPU, the run-queue delay
+                "per_step": {"wall_ms": [round(x, 4) for x in s], "cpu_ms": [round(x, 4) for x in c],
+                             "runq_ms": [round(x, 4) for x in self.runq]},
                 # the step thread's run-queue delay per step (whole step, vLLM's work
                 # included): waiting for a CPU, which no code of the process can cause
                 "step_runq_p99_ms": round(_pct(self.runq, 0.99), 4),
@@ -364,3 +367,39 @@ def format_table(r: dict) -> str:
     lines.append(f"store phase: {st['stored_blocks']} of {st['planned_blocks']} blocks committed; load phase: "
                  f"{ld['blocks_loaded']} blocks loaded, {ld['disk_hit_tokens']} tokens from disk")
     return "\n".join(lines)
+
+
+def plot(r: dict, path: str) -> None:
+    """Per-step connector time on the scheduler thread as distributions (one panel per
+    phase): the index-thread design's wall time and its own CPU, the synchronous design's
+    wall time when it ran, and the 0.5 ms p99 target. Saved as PNG (matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    series = [("index thread: wall", r["phases"], "wall_ms", "#1f77b4", "-"),
+              ("index thread: own CPU", r["phases"], "cpu_ms", "#1f77b4", ":")]
+    if "baseline" in r:
+        series.append(("synchronous (old): wall", r["baseline"]["phases"], "wall_ms", "#d62728", "-"))
+    for ax, ph in zip(axes, ("store", "load")):
+        for label, phases, field, color, style in series:
+            xs = np.sort(np.asarray(phases[ph].get("per_step", {}).get(field, []), dtype=float))
+            if not xs.size:
+                continue
+            ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, style, color=color, label=label)
+        ax.axvline(0.5, color="#2ca02c", lw=1, ls="--", label="target p99 0.5 ms")
+        ax.axhline(0.99, color="#999999", lw=0.8, ls=":")
+        ax.set_xscale("log")
+        ax.set_xlabel("connector time per step (ms, log)")
+        ax.set_ylabel("fraction of steps")
+        ax.set_title(f"{ph} phase ({r['phases'][ph]['steps']} steps)", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"kvstore bench connector: vLLM's scheduler thread, index of "
+                 f"{r['index_entries']:,} entries, {r['tokens_per_step']} tokens per step",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
