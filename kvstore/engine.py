@@ -131,6 +131,63 @@ def _check_data_dir(path: str, direct: bool) -> None:
         os.unlink(probe)
 
 
+def probe_data_dir(path: str, store: str, device: int, direct: bool = True) -> tuple[str, str] | None:
+    """Is device `device`'s data directory usable now? None when it is: the directory
+    and its `kvstore-data.json` naming this store and device are there, a file can be
+    created in it and (direct) written with O_DIRECT. Else (reason, detail), the reason
+    being a fence reason: "missing" (not there: an unmounted device), "foreign" (the
+    marker names another store or device), "readonly" (EROFS) or "io_error"."""
+    import json
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return "missing", f"{path}: {exc.strerror} (device not mounted?)"
+    import stat as _stat
+    if not _stat.S_ISDIR(st.st_mode):
+        return "missing", f"{path} is not a directory"
+    marker = os.path.join(path, DATA_MARKER)
+    try:
+        with open(marker, "rb") as f:
+            doc = json.loads(f.read(1 << 16))
+    except FileNotFoundError:
+        return "missing", f"{marker} is missing (an empty mount point: device not mounted?)"
+    except (OSError, ValueError) as exc:
+        if getattr(exc, "errno", None) in (errno.EIO, errno.ENXIO, errno.ENODEV):
+            return "io_error", f"reading {marker}: {exc}"
+        return "foreign", f"{marker} is unreadable ({exc})"
+    if not isinstance(doc, dict) or doc.get("store") != store or doc.get("device") != device:
+        return "foreign", f"{marker} names {doc!r}, not device {device} of {store}"
+    probe = os.path.join(path, f".kvstore-probe-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        return ("readonly" if exc.errno == errno.EROFS else "io_error"), f"creating {probe}: {exc.strerror}"
+    os.close(fd)
+    try:
+        fd = os.open(probe, os.O_RDWR | (os.O_DIRECT if direct else 0) | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            from kvstore._hostbuf import HostBuffer
+            hb = HostBuffer(4096)
+            try:
+                os.pwritev(fd, [memoryview(hb)], 0)
+                os.fdatasync(fd)
+                os.preadv(fd, [memoryview(hb)], 0)
+            finally:
+                hb.close()
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return None     # full, but its slots are preallocated
+        return ("readonly" if exc.errno == errno.EROFS else "io_error"), f"O_DIRECT probe of {path}: {exc.strerror}"
+    finally:
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+    return None
+
+
 def _claim_data_dir(path: str, store: str, device: int) -> None:
     """Mark a data directory as device `device` of `store`. A directory marked for another
     store, or holding slot files without a mark, is refused (two stores in one directory
@@ -287,6 +344,8 @@ class DiskStore:
                 reclaimed = self.index.reclaim_reserved()
                 if reclaimed:
                     log.info("reclaimed %d slots reserved by a previous run that never committed", reclaimed)
+                # fenced (failed) devices: no reservation or commit of this writer uses them
+                self.index.set_devices(self.geometry.num_devices)
             if io:
                 for r in range(self.layout.tp_size):
                     self.ranks.append(RankIO(self.path, r, io_mode=io_mode, queue_depth=queue_depth,

@@ -56,6 +56,12 @@ _COUNTERS = (b"capacity", b"high_water", b"tick", b"generation", b"hits", b"miss
              b"evictions", b"duplicates", b"stale_commits", b"format")
 
 _MAX_SLOTS = 1 << 32
+# A fenced (failed) device of a store over several data directories: meta row
+# b"fenced.<d>" = u32 LE reason code, u32 LE unix time (8 bytes, like every meta row).
+FENCE_PREFIX = b"fenced."
+_FENCE = struct.Struct("<II")
+FENCE_REASONS = {1: "io_error", 2: "missing", 3: "readonly", 4: "foreign"}
+_FENCE_CODE = {v: k for k, v in FENCE_REASONS.items()}
 _MIN_MAP = 1 << 24
 _REBUILD_HINT = "run `kvstore fsck --rebuild-index` to rebuild it from the slot files"
 _ITER_CHUNK = 4096
@@ -149,6 +155,15 @@ class Index:
         # drop, reserve_pool) when set: the serving index's background thread releases
         # the GIL there, so vLLM's scheduler thread never waits long for it.
         self.pause = None
+        # Fenced devices (`set_devices`, `fence_device`): (ndev, frozenset of devices).
+        # Their slots are never reserved and never committed; free slots of them stay free.
+        self._fence: tuple[int, frozenset] = (1, frozenset())
+        # With a fenced device, the free list can hold only fenced slots (a full store):
+        # `reserve_pool` then skips scanning it until a write may have freed another slot
+        # (`_free_epoch` counts those writes; `_free_dry` is the epoch of the last scan
+        # that found the list exhausted).
+        self._free_epoch = 0
+        self._free_dry = -1
         data = os.path.join(self._path, "data.mdb")
         for p in (self._path, data, os.path.join(self._path, "lock.mdb")):
             # LMDB opens its files without O_NOFOLLOW: refuse links here, as every other
@@ -555,6 +570,8 @@ class Index:
         """
         if not isinstance(pinned, (set, frozenset)):
             pinned = set(pinned)
+        if self._fence[1]:
+            pinned = _FencedOrPinned(pinned, *self._fence)
         return self._write(self._reserve_txn, list(keys), pinned)
 
     def _reserve_txn(self, txn, keys, pinned):
@@ -645,9 +662,21 @@ class Index:
         entries); fewer than n slots when nothing more can be taken (no StoreFull)."""
         if n <= 0:
             return [], []
-        return self._write(self._reserve_pool_txn, n, claim)
+        ndev, fenced = self._fence
+        if not fenced:
+            return self._write(self._reserve_pool_txn, n, claim)[:2]
+        inner = claim
 
-    def _reserve_pool_txn(self, txn, n, claim):
+        def claim(cands):   # a fenced device's slots are never taken (they stay free)
+            return inner([c for c in cands if c[1] % ndev not in fenced])
+        epoch = self._free_epoch
+        out, evicted, exhausted = self._write(self._reserve_pool_txn, n, claim,
+                                              self._free_dry == epoch)
+        if exhausted:
+            self._free_dry = epoch
+        return out, evicted
+
+    def _reserve_pool_txn(self, txn, n, claim, skip_free=False):
         def batches(db):
             """Rows of db in key order, in batches of at most what is still missing;
             rows deleted between batches (taken ones) are skipped over by set_range."""
@@ -671,16 +700,19 @@ class Index:
                     self.pause()
 
         slots: list[int] = []
-        for rows in batches(self._free):
+        for rows in (() if skip_free else batches(self._free)):
             cand = [_U32.unpack(r)[0] for r in rows]
             taken = claim([(None, c) for c in cand])
             for r, c in zip(rows, cand):
                 if c in taken:
                     txn.delete(r, db=self._free)
                     slots.append(c)
+        exhausted = len(slots) < n
         cap = self._capacity
         hw = self._get(txn, b"high_water")
-        if hw < cap and len(slots) < n:
+        # (in rounds: a round whose candidates were refused, e.g. a fenced device's slots,
+        # is followed by the next never-used slots before any entry is evicted)
+        while hw < cap and len(slots) < n:
             cand = list(range(hw, min(cap, hw + n - len(slots))))
             taken = claim([(None, c) for c in cand])
             for c in cand:
@@ -720,7 +752,7 @@ class Index:
         self._set(txn, b"high_water", hw)
         if evicted:
             self._add(txn, b"evictions", len(evicted))
-        return out, evicted
+        return out, evicted, exhausted
 
     @_guard
     def load_keys(self, table) -> int:
@@ -744,7 +776,9 @@ class Index:
         """
         if not items:
             return []
-        skipped = self._write(self._commit_txn, items)
+        skipped, dups = self._write(self._commit_txn, items)
+        if dups or skipped:
+            self._free_epoch += 1
         if sync and self._sync:
             # Only commits are made durable (fdatasync of data.mdb): LMDB writes
             # transactions in order, so syncing here also persists every earlier
@@ -772,12 +806,20 @@ class Index:
         skipped = []
         dups = 0
         pause = self.pause
+        ndev, fenced = self._fence
         for n, item in enumerate(reversed(items)):
             if pause is not None and n and n % _PAUSE_EVERY == 0:
                 pause()
             key, slot, gen = item
             sk = _U32.pack(slot)
             r = get(sk, db=rdb)
+            if fenced and slot % ndev in fenced:
+                # written before its device was fenced: never an entry on a failed device
+                if r is not None and _U64.unpack_from(r)[0] == gen:
+                    delete(sk, db=rdb)
+                    put(sk, b"", db=self._free)
+                skipped.append(item)
+                continue
             # a pool reservation (`reserve_pool`) has no key yet: only its generation counts
             if r is None or _U64.unpack_from(r)[0] != gen or (len(r) > 8 and r[8:] != key):
                 skipped.append(item)
@@ -802,13 +844,14 @@ class Index:
         if skipped:
             self._add(txn, b"stale_commits", len(skipped))
             skipped.reverse()
-        return skipped
+        return skipped, dups
 
     @_guard
     def abort(self, slots_or_items: Iterable[int | tuple[bytes, int, int]]) -> int:
         """Give reservations back to free. Accepts slot ints (released if reserved) or
         (key, slot, generation) items (released only if that reservation still stands).
         Returns how many were released."""
+        self._free_epoch += 1
         return self._write(self._abort_txn, list(slots_or_items))
 
     def _abort_txn(self, txn, things):
@@ -834,6 +877,7 @@ class Index:
     def reclaim_reserved(self) -> int:
         """Crash recovery, for the writer at open: every reserved slot goes back to free.
         A reserved slot may hold a half-written block; nothing points at it. Returns count."""
+        self._free_epoch += 1
         return self._write(self._reclaim_txn)
 
     def _reclaim_txn(self, txn):
@@ -874,6 +918,7 @@ class Index:
     def drop(self, keys: Iterable[bytes]) -> list[Entry]:
         """Remove entries (e.g. a slot failed verification); their slots go back to free.
         Returns the removed entries; absent keys are ignored."""
+        self._free_epoch += 1
         return self._write(self._drop_txn, list(keys))
 
     def _drop_txn(self, txn, keys):
@@ -893,6 +938,101 @@ class Index:
             out.append(_entry(k, s, g, t))
         return out
 
+    # ------------------------------------------------------------------ failed devices
+
+    @_guard
+    def fenced_devices(self) -> dict[int, tuple[str, int]]:
+        """{device: (reason, unix time)} of every fenced device (meta rows `fenced.<d>`)."""
+        out = {}
+        with self._read() as txn:
+            cur = txn.cursor(db=self._meta)
+            ok = cur.set_range(FENCE_PREFIX)
+            while ok and cur.key().startswith(FENCE_PREFIX):
+                code, t = _FENCE.unpack(cur.value())
+                out[int(cur.key()[len(FENCE_PREFIX):])] = (FENCE_REASONS.get(code, f"code {code}"), t)
+                ok = cur.next()
+        return out
+
+    @_guard
+    def fence_rows(self) -> dict[str, int]:
+        """The raw `fenced.<d>` meta rows (name -> u64), for an index rebuild to keep."""
+        out = {}
+        with self._read() as txn:
+            cur = txn.cursor(db=self._meta)
+            ok = cur.set_range(FENCE_PREFIX)
+            while ok and cur.key().startswith(FENCE_PREFIX):
+                out[cur.key().decode()] = _U64.unpack(cur.value())[0]
+                ok = cur.next()
+        return out
+
+    def set_devices(self, ndev: int) -> dict[int, tuple[str, int]]:
+        """Tell the index how many devices the store has and load its fences: from now on
+        reservations and commits skip the fenced devices' slots. Returns the fences."""
+        fences = self.fenced_devices() if ndev > 1 else {}
+        self._fence = (max(1, ndev), frozenset(fences))
+        return fences
+
+    @property
+    def fenced(self) -> frozenset:
+        return self._fence[1]
+
+    @_guard
+    def fence_device(self, dev: int, ndev: int, reason: str) -> list[Entry]:
+        """Fence device `dev` of `ndev`: one transaction records it (meta row `fenced.<d>`,
+        the first reason kept) and drops every entry whose slot is on it (its slots go to
+        free, where reservations skip them). Returns the dropped entries."""
+        import time as _time
+        if not 0 <= dev < ndev or ndev < 2:
+            raise KVStoreError(f"fence_device: device {dev} of {ndev}")
+        code = _FENCE_CODE.get(reason, 1)
+        self._free_epoch += 1
+        out = self._write(self._fence_txn, dev, ndev, code, int(_time.time()))
+        self._fence = (ndev, self._fence[1] | {dev})
+        self.sync()     # the fence outlives a crash: a restart never hands its slots out
+        return out
+
+    def _fence_txn(self, txn, dev, ndev, code, now):
+        name = FENCE_PREFIX + str(dev).encode()
+        if txn.get(name, db=self._meta) is None:
+            txn.put(name, _FENCE.pack(code, now), db=self._meta)
+        out = []
+        sdb, kdb, ldb, fdb = self._slots, self._keys, self._lru, self._free
+        victims = []
+        pause = self.pause
+        for n, (sk, key) in enumerate(txn.cursor(db=sdb).iternext(keys=True, values=True)):
+            if pause is not None and n and n % (16 * _PAUSE_EVERY) == 0:
+                pause()
+            s = _U32.unpack(sk)[0]
+            if s % ndev == dev:
+                victims.append((sk, s, bytes(key)))
+        for n, (sk, s, key) in enumerate(victims):
+            if pause is not None and n and n % _PAUSE_EVERY == 0:
+                pause()
+            v = txn.pop(key, db=kdb)
+            txn.delete(sk, db=sdb)
+            txn.put(sk, b"", db=fdb)
+            if v is None:
+                continue
+            s_, g, t = _VAL.unpack(v)
+            txn.delete(_LRU.pack(t, s_), db=ldb)
+            out.append(_entry(key, s_, g, t))
+        return out
+
+    @_guard
+    def readmit_device(self, dev: int) -> bool:
+        """Clear device `dev`'s fence (its slots are free again). True if it was fenced."""
+        name = FENCE_PREFIX + str(dev).encode()
+
+        def txn_fn(txn):
+            return txn.delete(name, db=self._meta)
+        self._free_epoch += 1
+        done = self._write(txn_fn)
+        ndev, fenced = self._fence
+        self._fence = (ndev, fenced - {dev})
+        if done:
+            self.sync()
+        return bool(done)
+
     def count_hits(self, hits: int, misses: int) -> None:
         """Batched in memory; written with the next write txn (or close)."""
         self._live()
@@ -911,3 +1051,18 @@ class Index:
         Imported on call: the serving path never loads the maintenance module."""
         from kvstore.index_maint import check_consistency
         return check_consistency(self)
+
+
+class _FencedOrPinned:
+    """`pinned` of `Index.reserve` plus every slot of a fenced device."""
+
+    __slots__ = ("pinned", "ndev", "fenced")
+
+    def __init__(self, pinned, ndev, fenced):
+        self.pinned, self.ndev, self.fenced = pinned, ndev, fenced
+
+    def __contains__(self, s) -> bool:
+        return s % self.ndev in self.fenced or s in self.pinned
+
+    def __len__(self) -> int:
+        return len(self.pinned)

@@ -270,6 +270,9 @@ def rebuild_index(path: str, capacity_slots: int, entries: Iterable[tuple[bytes,
             for name in _KEPT_COUNTERS:
                 if name in counters:
                     ix._set(txn, name.encode(), int(counters[name]))
+            for name, v in counters.items():    # fenced devices stay fenced
+                if name.startswith("fenced."):
+                    ix._set(txn, name.encode(), int(v))
             floor = int(counters.get("generation", 0))
             if floor > ix._get(txn, b"generation"):
                 ix._set(txn, b"generation", floor)

@@ -37,6 +37,16 @@ VERIFY_MODES = ("checksum", "header")
 _VERIFY_CODE = {"header": 1, "checksum": 2}   # Ring.slot_io's verify levels
 OP_READ, OP_WRITE = 0, 1
 
+# Errors that mean "this device failed" (a store over several data directories fences
+# the device: EIO from the media or the controller, a device gone, a read-only remount);
+# anything else (ENOSPC, EINVAL, a bad checksum...) fails only the block it hit.
+DEVICE_ERRNOS = frozenset({errno.EIO, errno.ENODEV, errno.ENXIO, errno.EROFS, errno.ESHUTDOWN})
+
+
+def device_fault_reason(err: int) -> str:
+    """The fence reason of a device errno ("readonly" for EROFS, else "io_error")."""
+    return "readonly" if err == errno.EROFS else "io_error"
+
 
 def _host_array(x):
     """A CPU torch tensor as the numpy array sharing its memory; anything else unchanged.
@@ -243,6 +253,14 @@ class RankIO:
         nf0 = geo.num_files
         self._fd_table = np.full((self.ndev, nf0), -1, dtype=np.int32)
         self._fd_dev: dict[int, int] = {}
+        # Failed devices (several data directories only): device -> "reason: detail".
+        # No op is submitted to a failed device any more: its ops fail with EIO at once.
+        # A writable opener (a serving worker) opens a store whose device is missing or
+        # read-only with that device failed instead of refusing to start.
+        self.failed: dict[int, str] = {}
+        self._lock_failed = threading.Lock()
+        self._markers: dict[int, tuple[int, int]] = {}
+        tolerate = not readonly and self.ndev > 1
         try:
             dev_files: list[list[SlotFile]] = []
             for d, ddir in enumerate(self.dirs):
@@ -250,9 +268,16 @@ class RankIO:
                     _check_dir(rank_dir(ddir, rank))
                     dir_error = None
                 except KVStoreError as exc:
+                    if tolerate:
+                        self._fail_device(d, "missing", str(exc))
+                        dev_files.append([])
+                        self._counters.append(None)
+                        continue
                     if not missing_ok:
                         raise
                     dir_error = str(exc)
+                if tolerate and (mark := self._marker_id(ddir)) is not None:
+                    self._markers[d] = mark     # watched while serving (check_devices)
                 mine = []
                 for i in range(geo.device_files(d)):
                     if dir_error is not None:
@@ -263,6 +288,11 @@ class RankIO:
                                      geo.device_file_slots(d, i), direct=(io_mode == "direct"),
                                      readonly=readonly)
                     except (KVStoreError, OSError) as exc:
+                        if tolerate:
+                            err = getattr(exc, "errno", None)
+                            self._fail_device(d, "readonly" if err == errno.EROFS else "missing",
+                                              str(exc))
+                            break
                         if not missing_ok:
                             raise
                         self.bad_files[d * nf0 + i] = str(exc)
@@ -271,8 +301,15 @@ class RankIO:
                     mine.append(f)
                     self._fd_table[d, i] = f.fd
                     self._fd_dev[f.fd] = d
+                if d in self.failed:
+                    for f in mine:
+                        self.files.remove(f)
+                        self._fd_dev.pop(f.fd, None)
+                        f.close()
+                    self._fd_table[d, :] = -1
+                    mine = []
                 dev_files.append(mine)
-                self._counters.append(None if readonly or dir_error is not None
+                self._counters.append(None if readonly or dir_error is not None or d in self.failed
                                       else self._open_counters(ddir, rank))
             if staging is None:
                 staging = Staging.for_bytes(staging_bytes, geo.slot_size, self.payload_len)
@@ -300,6 +337,56 @@ class RankIO:
             log.warning("rank %d: cannot open the byte counters of %s (%s); bytes moved on this "
                         "device are not recorded", rank, ddir, exc)
             return None
+
+    # -- failed devices (a store over several data directories) ----------------------
+    @staticmethod
+    def _marker_id(ddir: str):
+        try:
+            st = os.stat(os.path.join(ddir, "kvstore-data.json"))
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def _fail_device(self, d: int, reason: str, detail: str) -> bool:
+        """Mark device d failed (first reason kept). True when it was not failed before."""
+        with self._lock_failed:
+            if d in self.failed:
+                return False
+            self.failed[d] = f"{reason}: {detail}"
+        log.error("kvstore rank %d: device %d (%s) failed (%s: %s); its blocks fail at once "
+                  "from now on", self.rank, d, self.dirs[d], reason, detail)
+        return True
+
+    def _note_errors(self, d: int, op: str, res) -> None:
+        """A device errno in a batch's results fails the device (several devices only)."""
+        if self.ndev < 2 or d in self.failed:
+            return
+        bad = res[res < 0]
+        if not bad.size:
+            return
+        for e in np.unique(-bad):
+            if int(e) in DEVICE_ERRNOS:
+                self._fail_device(d, device_fault_reason(int(e)),
+                                  f"{op} failed with {errno.errorcode.get(int(e), e)} "
+                                  f"({os.strerror(int(e))})")
+                return
+
+    def check_devices(self) -> list[int]:
+        """Look for devices whose data directory went away while serving (an unmounted
+        or replaced device: its `kvstore-data.json` is gone or is another file). Returns
+        the devices found failed now. Cheap (one stat per device); the worker's I/O thread
+        calls it every few seconds."""
+        out = []
+        for d, ident in list(self._markers.items()):
+            if d in self.failed:
+                continue
+            now = self._marker_id(self.dirs[d])
+            if now != ident:
+                what = "is gone" if now is None else "was replaced"
+                if self._fail_device(d, "missing", f"{self.dirs[d]}/kvstore-data.json {what} "
+                                     "(device unmounted?)"):
+                    out.append(d)
+        return out
 
     @property
     def ring(self):
@@ -392,11 +479,15 @@ class RankIO:
             return call(0, None)
         groups = [(d, np.flatnonzero(devs == d)) for d in range(self.ndev)]
         groups = [(d, i) for d, i in groups if i.size]
-        if len(groups) <= 1:
+        failed = self.failed
+        if len(groups) <= 1 and not (groups and groups[0][0] in failed):
             return call(groups[0][0] if groups else 0, None)
         pools = self._device_pool()
-        futs = [(idx, pools[d].submit(call, d, idx)) for d, idx in groups]
-        parts, exc = [], None
+        # A failed device's ops are never submitted: they fail with EIO at once, so no
+        # request waits on a dead disk.
+        dead = [(idx, self._dead(call, len(idx))) for d, idx in groups if d in failed]
+        futs = [(idx, pools[d].submit(call, d, idx)) for d, idx in groups if d not in failed]
+        parts, exc = dead, None
         for idx, fut in futs:
             try:
                 parts.append((idx, fut.result()))
@@ -410,6 +501,12 @@ class RankIO:
             for o, a in zip(outs, (r,) if single else r):
                 o[idx] = a
         return outs[0] if single else tuple(outs)
+
+    @staticmethod
+    def _dead(call, n: int):
+        """The result of n ops on a failed device: -EIO each (and status 0 for slot_io)."""
+        res = np.full(n, -errno.EIO, dtype=np.int64)
+        return (res, np.zeros(n, dtype=np.int32)) if getattr(call, "slot_io", False) else res
 
     def _account(self, d: int, opcode: int, res) -> None:
         if opcode not in (OP_READ, OP_WRITE):
@@ -430,6 +527,7 @@ class RankIO:
             else:
                 res = self.rings[d].submit(opcode, fds[idx], offs[idx], addrs[idx], lens[idx])
             self._account(d, opcode, res)
+            self._note_errors(d, "write" if opcode == OP_WRITE else "read", res)
             return res
         return self._fan(devs, call)
 
@@ -465,7 +563,9 @@ class RankIO:
                     [keys[i] for i in sel], [slots[i] for i in sel], [gens[i] for i in sel],
                     self.payload_len, verify=verify, payload_align=align)
             self._account(d, opcode, out[0])
+            self._note_errors(d, "write" if opcode == OP_WRITE else "read", out[0])
             return out
+        call.slot_io = True
         res, status = self._fan(devs, call)
         short = (res >= 0) & (res != self.slot_size)
         if short.any():
@@ -518,8 +618,10 @@ class RankIO:
         tdev = np.array([self._fd_dev.get(fd, 0) for fd in touched], dtype=np.int64)
 
         def call(d, idx):   # each device syncs its own files, all devices at once
-            return self.rings[d].submit(2, touched if idx is None else [touched[i] for i in idx],
-                                        None, None, None)
+            res = self.rings[d].submit(2, touched if idx is None else [touched[i] for i in idx],
+                                       None, None, None)
+            self._note_errors(d, "fdatasync", res)
+            return res
         sres = self._fan(tdev, call)
         bad = {touched[i]: -int(sres[i]) for i in np.flatnonzero(sres < 0)}
         if not bad:

@@ -76,7 +76,8 @@ class ServingIndex:
     """See the module docstring. Methods without a leading underscore are for the step
     thread; `_run` and the helpers it calls run on the index thread."""
 
-    def __init__(self, store: DiskStore, *, pool_target: int = 1024, announce=None):
+    def __init__(self, store: DiskStore, *, pool_target: int = 1024, announce=None,
+                 probe_devices: str | None = None):
         self.store = store
         # After a restart, every entry on disk is announced (KV events a router learns
         # from): `announce(keys)` makes a batch's events on the index thread, posted in
@@ -86,6 +87,13 @@ class ServingIndex:
         self._announce_room = threading.Semaphore(2)
         self.index = store._writable()
         self.capacity = self.index.capacity_slots
+        # Failed devices (a store over several data directories): their slots are fenced
+        # in the index (never reserved or committed) and their entries are gone.
+        self.ndev = store.geometry.num_devices
+        self.fences: dict[int, tuple[str, int]] = self.index.set_devices(self.ndev)
+        self.readmitted: list[int] = []
+        if probe_devices is not None and self.ndev > 1:     # before any slot is handed out
+            self._probe_devices(probe_devices == "direct")
         # The pool may hold at most half of a (tiny) store: its slots hold no data.
         self.pool_target = max(1, min(pool_target, self.capacity // 2))
         self._lock = threading.Lock()
@@ -279,6 +287,72 @@ class ServingIndex:
     def count_hits(self, hits: int, misses: int) -> None:
         self._ops.put(("count", hits, misses))
 
+    # -- failed devices (issue 15) --------------------------------------------------
+    def fence_device(self, dev: int, reason: str = "io_error") -> bool:
+        """A device failed: its entries leave the lookups now (one C call), its slots
+        leave the pool, and the index thread drops its entries from LMDB and records
+        the fence, after which no reservation or commit touches its slots. False when
+        the store has one device or the device is fenced already."""
+        if self.ndev < 2 or not 0 <= dev < self.ndev or dev in self.fences:
+            return False
+        self.fences[dev] = (reason, int(time.time()))
+        with self._lock:
+            self._table.remove_device(self.ndev, dev)
+        removed = self._purge_pool(dev)
+        self._ops.put(("fence", dev, reason, removed))
+        return True
+
+    # A fence of these reasons is lifted at open once the device probes fine (it was
+    # away or read-only: its entries were dropped, its free slots hold nothing anyone
+    # reads); an I/O error fence is lifted only by `kvstore fsck --repair`.
+    READMIT_AT_OPEN = ("missing", "readonly", "foreign")
+
+    def _probe_devices(self, direct: bool) -> None:
+        """At open: fence every device whose data directory is not usable (missing,
+        read-only, another store's), re-admit a fenced one that is back (see
+        READMIT_AT_OPEN). Runs before the pool is filled and the table is built."""
+        from kvstore.engine import probe_data_dir
+        for d, path in enumerate(self.store.data_dirs):
+            bad = probe_data_dir(path, self.store.path, d, direct)
+            if bad is None and d in self.fences and self.fences[d][0] in self.READMIT_AT_OPEN:
+                self.index.readmit_device(d)
+                reason = self.fences.pop(d)[0]
+                self.readmitted.append(d)
+                log.warning("kvstore: device %d (%s) is back (fenced as %s); re-admitted",
+                            d, path, reason)
+            elif bad is not None and d not in self.fences:
+                dropped = self.index.fence_device(d, self.ndev, bad[0])
+                self.fences[d] = (bad[0], int(time.time()))
+                log.error("kvstore: device %d (%s) is not usable (%s); fenced, %d entries "
+                          "dropped", d, path, bad[1], len(dropped))
+            elif d in self.fences:
+                # still fenced: drop what an index rebuild (or a crash) may have left on it
+                self.index.fence_device(d, self.ndev, self.fences[d][0])
+
+    def _purge_pool(self, dev: int) -> list[int]:
+        """Take device `dev`'s slots out of the pool; returns them (still reserved)."""
+        nd = self.ndev
+        with self._pool_lock:
+            out = [s_ for s_ in self._pool_slots if s_ % nd == dev]
+            if out:
+                keep = [(s_, g) for s_, g in zip(self._pool_slots, self._pool_gens) if s_ % nd != dev]
+                self._pool_slots[:] = [s_ for s_, _ in keep]
+                self._pool_gens[:] = [g for _, g in keep]
+        return out
+
+    def _fence(self, dev: int, reason: str, removed: list[int]) -> None:
+        dropped = self.index.fence_device(dev, self.ndev, reason)
+        removed = removed + self._purge_pool(dev)   # a refill that ran before the fence
+        if removed:
+            self.index.abort(removed)
+        with self._lock:
+            self._table.remove_device(self.ndev, dev)
+        log.warning("kvstore: device %d (%s) fenced (%s): %d entries dropped, its slots are "
+                    "not used until `kvstore fsck --repair` re-admits it", dev,
+                    self.store.data_dirs[dev], reason, len(dropped))
+        if dropped:
+            self._post(IndexEvent("dropped", keys=[e.key for e in dropped]))
+
     def announced(self) -> None:
         """The step thread published an "announce" batch: room for the next."""
         self._announce_room.release()
@@ -398,6 +472,8 @@ class ServingIndex:
                         self._drop(op[1])
                     elif kind == "drop_all":
                         self._drop_all()
+                    elif kind == "fence":
+                        self._fence(op[1], op[2], op[3])
                     elif kind == "count":
                         hits += op[1]
                         misses += op[2]
@@ -551,10 +627,15 @@ class SyncServingIndex(ServingIndex):
         def put_many(self, keys, slots, gens):
             return 0
 
-    def __init__(self, store: DiskStore, *, pool_target: int = 0):
+    def __init__(self, store: DiskStore, *, pool_target: int = 0, probe_devices: str | None = None):
         self.store = store
         self.index = store._writable()
         self.capacity = self.index.capacity_slots
+        self.ndev = store.geometry.num_devices
+        self.fences = self.index.set_devices(self.ndev)
+        self.readmitted = []
+        if probe_devices is not None and self.ndev > 1:
+            self._probe_devices(probe_devices == "direct")
         self.pool_target = 0
         self._lock = threading.Lock()
         self._pool_lock = threading.Lock()
@@ -652,6 +733,15 @@ class SyncServingIndex(ServingIndex):
 
     def count_hits(self, hits, misses):
         self.index.count_hits(hits, misses)
+
+    def fence_device(self, dev, reason="io_error"):
+        if self.ndev < 2 or not 0 <= dev < self.ndev or dev in self.fences:
+            return False
+        self.fences[dev] = (reason, int(time.time()))
+        dropped = self.index.fence_device(dev, self.ndev, reason)
+        if dropped:
+            self._post(IndexEvent("dropped", keys=[e.key for e in dropped]))
+        return True
 
     def gauges(self):
         return self._read_gauges()

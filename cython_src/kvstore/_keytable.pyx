@@ -512,6 +512,49 @@ cdef class KeyTable:
             done += 1
         return done
 
+    def remove_device(self, uint32_t ndev, uint32_t dev):
+        """Remove every entry whose slot lives on device `dev` of `ndev` (slot % ndev ==
+        dev: a failed device's blocks leave the lookups in one C call). Pins stay (their
+        loads end as failures and unpin). Returns the count removed."""
+        if ndev == 0 or dev >= ndev:
+            raise ValueError(f"remove_device: device {dev} of {ndev}")
+        cdef uint64_t i, size = self.mask + 1, k = 0, m = 0
+        for i in range(size):
+            if self.t[i].fp != 0 and self.t[i].slot % ndev == dev:
+                m += 1
+        if m == 0:
+            return 0
+        cdef uint64_t *fps = <uint64_t *>calloc(<size_t>m, sizeof(uint64_t))
+        cdef uint32_t *fp2s = <uint32_t *>calloc(<size_t>m, sizeof(uint32_t))
+        cdef Py_ssize_t j
+        if fps == NULL or fp2s == NULL:
+            free(fps)
+            free(fp2s)
+            raise MemoryError("remove_device: cannot allocate the removal list")
+        for i in range(size):
+            if self.t[i].fp != 0 and self.t[i].slot % ndev == dev:
+                fps[k] = self.t[i].fp
+                fp2s[k] = self.t[i].fp2
+                k += 1
+        # deletions shift later buckets back: find each entry again by its fingerprint
+        for i in range(k):
+            j = self._find(fps[i], fp2s[i])
+            if j >= 0:
+                self._delete_at(<uint64_t>j)
+        free(fps)
+        free(fp2s)
+        return k
+
+    def count_device(self, uint32_t ndev, uint32_t dev):
+        """Entries whose slot lives on device `dev` of `ndev` (tests, diagnostics)."""
+        cdef uint64_t i, size = self.mask + 1, m = 0
+        if ndev == 0:
+            return 0
+        for i in range(size):
+            if self.t[i].fp != 0 and self.t[i].slot % ndev == dev:
+                m += 1
+        return m
+
     def put_many(self, list keys, list slots, list gens):
         """put() for each (key, slot, generation); a key already present keeps its entry.
         Returns the count inserted."""

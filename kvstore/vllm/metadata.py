@@ -52,13 +52,20 @@ class KVStoreWorkerMeta(KVConnectorWorkerMetadata):
 
     store_reports: job_id -> StoreReport (ranks that reported, sorted failed block indices)
     bad_keys: keys whose slot failed verification or I/O on a load (to drop).
+    failed_devices: device index -> "reason: detail" of devices a rank found failed (a
+        store over several data directories; the scheduler fences them). Reported once
+        per rank; the first reason of any rank is kept.
     """
     store_reports: dict[int, StoreReport] = field(default_factory=dict)
     bad_keys: list[bytes] = field(default_factory=list)
+    failed_devices: dict[int, str] = field(default_factory=dict)
 
     def aggregate(self, other: "KVStoreWorkerMeta") -> "KVStoreWorkerMeta":
         out = KVStoreWorkerMeta({k: StoreReport(v.ranks, list(v.failed))
-                                 for k, v in self.store_reports.items()}, list(self.bad_keys))
+                                 for k, v in self.store_reports.items()}, list(self.bad_keys),
+                                dict(self.failed_devices))
+        for d, why in other.failed_devices.items():
+            out.failed_devices.setdefault(d, why)
         for job, rep in other.store_reports.items():
             cur = out.store_reports.setdefault(job, StoreReport(0, []))
             cur.ranks += rep.ranks

@@ -23,7 +23,15 @@ COUNTERS = {
 GAUGES = {
     "used_slots": "Slots holding a committed block",
     "free_slots": "Free slots",
+    "failed_devices": "Data directories (devices) fenced as failed; their blocks are not served",
 }
+# Per failed device: a gauge key DEVICE_FAILED + data directory = 1, exported as
+# vllm:kvstore_device_failed{device="<data directory>"} (several data directories only).
+DEVICE_FAILED = "device_failed:"
+
+
+def _is_gauge(k: str) -> bool:
+    return k in GAUGES or k.startswith(DEVICE_FAILED)
 
 
 @dataclass
@@ -43,7 +51,7 @@ class KVStoreStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> "KVStoreStats":
         for k, v in other.data.items():
-            if k in GAUGES:
+            if _is_gauge(k):
                 self.data[k] = v
             else:
                 self.data[k] = self.data.get(k, 0) + v
@@ -54,6 +62,9 @@ class KVStoreStats(KVConnectorStats):
         for k in GAUGES:
             if k in self.data:
                 out[k] = self.data[k]
+        for k, v in self.data.items():
+            if k.startswith(DEVICE_FAILED):
+                out[k] = v
         return out
 
     def is_empty(self) -> bool:
@@ -73,6 +84,11 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
         for k, doc in GAUGES.items():
             m = self._gauge_cls(name=f"vllm:kvstore_{k}", documentation=doc, labelnames=labelnames)
             self.gauges[k] = {e: m.labels(*v) for e, v in per_engine_labelvalues.items()}
+        self._engine_labels = per_engine_labelvalues
+        self._device_failed = self._gauge_cls(
+            name="vllm:kvstore_device_failed",
+            documentation="1 for a data directory (device) fenced as failed",
+            labelnames=list(labelnames) + ["device"])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for k, v in transfer_stats_data.items():
@@ -80,3 +96,6 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
                 self.counters[k][engine_idx].inc(v)
             elif k in self.gauges:
                 self.gauges[k][engine_idx].set(v)
+            elif k.startswith(DEVICE_FAILED):
+                self._device_failed.labels(*self._engine_labels[engine_idx],
+                                           k[len(DEVICE_FAILED):]).set(v)

@@ -23,7 +23,7 @@ from kvstore.errors import KVStoreError
 from kvstore.serving_index import ServingIndex, SyncServingIndex
 from kvstore.vllm.config import ConnectorConfig, block_key
 from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob
-from kvstore.vllm.metrics import KVStoreStats
+from kvstore.vllm.metrics import DEVICE_FAILED, KVStoreStats
 
 log = logging.getLogger("kvstore.vllm.scheduler")
 MEDIUM = "STORAGE"
@@ -82,9 +82,10 @@ class KVStoreScheduler:
             if cfg.index_thread:
                 self.index = ServingIndex(
                     self.store, pool_target=pool,
-                    announce=self._announce_events if events_enabled else None)
+                    announce=self._announce_events if events_enabled else None,
+                    probe_devices=cfg.io_mode)
             else:
-                self.index = SyncServingIndex(self.store)
+                self.index = SyncServingIndex(self.store, probe_devices=cfg.io_mode)
         except BaseException:
             self.store.close()
             raise
@@ -542,6 +543,8 @@ class KVStoreScheduler:
                     self._finish_store(job_id, st)
             if wm.bad_keys:
                 self.index.drop(wm.bad_keys)
+            for dev, why in sorted(wm.failed_devices.items()):
+                self._device_failed(dev, why)
         failed_reqs = set(getattr(output, "failed_recving", ()) or ())
         done = set(output.finished_recving or ()) | failed_reqs
         invalid = getattr(output, "invalid_block_ids", None)
@@ -571,6 +574,20 @@ class KVStoreScheduler:
             self.index.touch(self._to_touch)
             self._to_touch = []
         self._index_events()
+
+    def _device_failed(self, dev: int, why: str) -> None:
+        """A worker found device `dev` failed: fence it (its entries leave the lookups now;
+        loads in flight from it fail on the workers and are recomputed; stores go to the
+        other devices)."""
+        reason = why.split(":", 1)[0] if why.split(":", 1)[0] in ("io_error", "missing", "readonly",
+                                                                   "foreign") else "io_error"
+        try:
+            if self.index.fence_device(dev, reason):
+                log.error("kvstore: device %d (%s) failed on a worker (%s); fenced: its blocks are "
+                          "no longer served, stores go to the other devices", dev,
+                          self.store.data_dirs[dev], why)
+        except KVStoreError as exc:
+            self._warn_once("fencing a failed device", exc)
 
     def _finish_store(self, job_id: int, st: InflightStore) -> None:
         """Every rank reported: the good blocks are durable. Their commit (and its fsync)
@@ -689,6 +706,11 @@ class KVStoreScheduler:
         g = self.index.gauges()
         self._stats.data["used_slots"] = g["used_slots"]
         self._stats.data["free_slots"] = g["free_slots"]
+        fences = getattr(self.index, "fences", None)
+        if fences is not None and self.index.ndev > 1:
+            self._stats.data["failed_devices"] = len(fences)
+            for d in fences:
+                self._stats.data[DEVICE_FAILED + self.store.data_dirs[d]] = 1
         if self._stats.is_empty() and "used_slots" not in self._stats.data:
             return None
         out = KVStoreStats(dict(self._stats.data))

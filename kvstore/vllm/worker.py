@@ -97,6 +97,7 @@ class KVStoreWorker:
         self._outstanding = 0           # jobs queued or running (a timed-out load included)
         self.load_busy_s = 0.0          # I/O thread time spent on loads (for throughput)
         self.loaded_bytes_total = 0
+        self._reported_devices: set[int] = set()   # failed devices already reported
         self._thread = threading.Thread(target=self._run, name=f"kvstore-io-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -179,6 +180,7 @@ class KVStoreWorker:
 
     # -- the I/O thread --------------------------------------------------------------
     MAX_LOAD_BATCH = 64   # requests whose loads share one ring pass
+    DEVICE_CHECK_S = 2.0  # how often the I/O thread looks for a vanished data directory
 
     def _run(self) -> None:
         try:
@@ -186,8 +188,24 @@ class KVStoreWorker:
         except Exception as exc:
             log.error("kvstore rank %d: cannot use device %s on the I/O thread: %s", self.rank,
                       self.transfer.device, exc)
+        next_check = time.monotonic() + self.DEVICE_CHECK_S
         while True:
-            entry = self._jobs.get()
+            if self.io.ndev > 1:
+                # A device unmounted while serving: its marker is gone (checked every few
+                # seconds, between jobs; I/O errors are caught as they happen).
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + self.DEVICE_CHECK_S
+                    try:
+                        self.io.check_devices()
+                    except Exception as exc:
+                        log.warning("kvstore rank %d: device check failed: %s", self.rank, exc)
+                try:
+                    entry = self._jobs.get(timeout=self.DEVICE_CHECK_S)
+                except queue.Empty:
+                    continue
+            else:
+                entry = self._jobs.get()
             item = entry[2]
             if item is None:
                 return
@@ -422,9 +440,15 @@ class KVStoreWorker:
         with self._lock:
             reports, self._store_reports = self._store_reports, {}
             bad, self._bad_keys = self._bad_keys, []
-        if not reports and not bad:
+        devs = {}
+        if self.io.failed and len(self.io.failed) > len(self._reported_devices):
+            # reported once: the scheduler fences the device (see RankIO.failed)
+            devs = {d: why for d, why in dict(self.io.failed).items()
+                    if d not in self._reported_devices}
+            self._reported_devices.update(devs)
+        if not reports and not bad and not devs:
             return None
-        return KVStoreWorkerMeta(store_reports=reports, bad_keys=bad)
+        return KVStoreWorkerMeta(store_reports=reports, bad_keys=bad, failed_devices=devs)
 
     def get_stats(self) -> KVStoreStats | None:
         # Copy and reset under the lock the I/O thread adds under: no count is lost.
