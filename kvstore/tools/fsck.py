@@ -70,6 +70,8 @@ KINDS = {
     "slot_file_missing": "a rank's slot file (or rank directory) is missing",
     "slot_file_size": "a slot file is truncated or longer than the geometry says",
     "slot_file_invalid": "a slot file is a symlink or not a regular file",
+    "device_fenced": "a device the server fenced as failed (--repair re-admits it once its "
+                     "directory is back, writable and O_DIRECT-capable)",
     # pass 2: index structure
     "index_missing": "index/ or its data.mdb is missing (--rebuild-index recreates it)",
     "index_unreadable": "the LMDB index cannot be opened or lacks its databases (--rebuild-index)",
@@ -613,6 +615,7 @@ class _Check:
             entries.append((e.key, e.slot, e.generation))
         c = scan["counters"]
         counters = {k: c[k] for k in ("hits", "misses", "evictions", "duplicates", "stale_commits") if k in c}
+        counters.update({k: v for k, v in c.items() if k.startswith("fenced.")})   # fences stay
         counters["generation"] = scan["max_gen"]
         n = rebuild_index(self.index_dir, self.cap, entries, counters=counters)
         for f in pending:
@@ -631,6 +634,7 @@ class _Check:
                 s = old.stats()
                 counters = {k: s[k] for k in ("hits", "misses", "evictions", "duplicates", "stale_commits")}
                 counters["generation"] = s["generation"]
+                counters.update(old.fence_rows())   # a fenced device stays fenced
         except KVStoreError:
             pass
         cap, plen = self.cap, self.layout.block_bytes
@@ -655,6 +659,10 @@ class _Check:
                 elif valid[s] and (not ok or keys[s] != h.key or int(gens[s]) != h.generation):
                     valid[s] = False
             self.read_slots(r, all_slots, True, on_slot, f"rank {r}: verifying every slot")
+        fenced = {int(k.split(".", 1)[1]) for k in counters if k.startswith("fenced.")}
+        if fenced and self.geo.num_devices > 1:
+            # a fenced device's slots hold blocks its fence dropped: never adopt them
+            valid[np.isin(np.arange(cap) % self.geo.num_devices, sorted(fenced))] = False
         best: dict[bytes, int] = {}
         for s in np.flatnonzero(valid).tolist():
             k = keys[s]
@@ -689,6 +697,43 @@ class _Check:
             ix.close()
         if self.repair:
             self.do_repair(scan, bad_keys)
+        self.check_fences()
+
+    # ---------------------------------------------------------------- fenced devices
+    def check_fences(self) -> None:
+        """Devices fenced by a server (index meta `fenced.<d>`): each is a finding; with
+        --repair one whose data directory probes usable (present, its marker naming this
+        store, a file created and written with O_DIRECT) is re-admitted: the fence is
+        cleared, its slots are free again. Runs after the data pass, so any entry still
+        pointing at the device was verified (and dropped if bad) first."""
+        if len(self.dirs) < 2:
+            return
+        from kvstore.engine import probe_data_dir
+        try:
+            with Index(self.index_dir, None, readonly=True) as ix:
+                fences = ix.fenced_devices()
+        except KVStoreError:
+            return
+        self.rep.stats["fenced_devices"] = sorted(fences)
+        for d, (reason, since) in sorted(fences.items()):
+            ddir = self.dirs[d] if d < len(self.dirs) else f"device {d}"
+            if not self.repair:
+                there = d < len(self.dirs) and os.path.isdir(ddir)
+                self.rep.add("device_fenced", f"device {d} ({ddir}) was fenced as failed ({reason}) at "
+                             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}; its "
+                             f"directory is {'present' if there else 'missing'}: run with --repair "
+                             "to re-admit it once the device is healthy")
+                continue
+            bad = probe_data_dir(ddir, self.path, d, direct=True) if d < len(self.dirs) else ("missing", ddir)
+            f = self.rep.add("device_fenced", f"device {d} ({ddir}) was fenced as failed ({reason})"
+                             + (f"; still not usable: {bad[1]}" if bad else "; it probes healthy"))
+            if bad is None:
+                def readmit(d=d):
+                    with Index(self.index_dir, None) as ix:    # writer (we hold the lock)
+                        ix.readmit_device(d)
+                self._fix(f, readmit)
+                if f.fixed:
+                    self.rep.stats.setdefault("readmitted_devices", []).append(d)
 
 
 def fsck(path: str, *, deep: bool = False, repair: bool = False, rebuild_index: bool = False,

@@ -65,11 +65,13 @@ def gather(path: str) -> dict:
     if doc.get("data_dirs"):
         out["data_dirs"] = dirs
     dev_used = None
+    fences: dict = {}
     try:
         with DiskStore(path, readonly=True) as st:
             s = st.stats()
             if len(dirs) > 1:
                 dev_used = _used_per_device(st, s, geo)
+                fences = st.index.fenced_devices()
     except KVStoreError as exc:
         out["index_error"] = str(exc)
         s = None
@@ -129,7 +131,10 @@ def gather(path: str) -> dict:
     files["slot_bytes"] = sum(x["bytes"] for x in ranks)
     files["slot_allocated_bytes"] = sum(x["allocated_bytes"] for x in ranks)
     out["files"] = files
-    out["devices"] = _devices(dirs, geo, layout.tp_size, s, dev_used)
+    out["devices"] = _devices(dirs, geo, layout.tp_size, s, dev_used, fences)
+    if len(dirs) > 1:
+        out["failed_devices"] = sorted(fences)
+        out["fenced_slots"] = sum(geo.device_slots(d) for d in fences if d < len(dirs))
     return out
 
 
@@ -155,7 +160,7 @@ def _used_per_device(st: DiskStore, s: dict, geo) -> list[int]:
     return [geo.device_slots(d) - free[d] - reserved[d] for d in range(D)]
 
 
-def _devices(dirs, geo, tp_size: int, s: dict | None, dev_used) -> list[dict]:
+def _devices(dirs, geo, tp_size: int, s: dict | None, dev_used, fences=None) -> list[dict]:
     """One object per device: its data directory, state, slots and the bytes kvstore read
     and wrote there (summed over ranks from rank<N>/iostats; null when no rank has a
     counter file, e.g. a store made before the counters existed and never opened for
@@ -182,11 +187,18 @@ def _devices(dirs, geo, tp_size: int, s: dict | None, dev_used) -> list[dict]:
             fs_free = os.statvfs(ddir).f_bavail * os.statvfs(ddir).f_frsize if st == "ok" else None
         except OSError:
             fs_free = None
-        out.append({"device": d, "path": ddir, "state": st,
-                    "capacity_slots": geo.device_slots(d), "used_slots": used,
-                    "bytes_read": sum(c[0] for c in tracked) if tracked else None,
-                    "bytes_written": sum(c[1] for c in tracked) if tracked else None,
-                    "fs_free_bytes": fs_free})
+        row = {"device": d, "path": ddir, "state": st,
+               "capacity_slots": geo.device_slots(d), "used_slots": used,
+               "bytes_read": sum(c[0] for c in tracked) if tracked else None,
+               "bytes_written": sum(c[1] for c in tracked) if tracked else None,
+               "fs_free_bytes": fs_free}
+        if fences and d in fences:
+            # fenced by the server (or at its start): its slots are not used until
+            # `kvstore fsck --repair` (or, for missing/readonly, the next start) re-admits it
+            row["state"] = "failed"
+            row["reason"], row["failed_since"] = fences[d]
+            row["present"] = st == "ok"
+        out.append(row)
     return out
 
 
@@ -249,7 +261,13 @@ def format_text(info: dict) -> str:
             used = "-" if dv["used_slots"] is None else f"{dv['used_slots']:,}"
             io = ("bytes not tracked" if dv["bytes_read"] is None else
                   f"read {format_size(dv['bytes_read'])}, written {format_size(dv['bytes_written'])}")
-            rows.append((f"device{dv['device']}", f"{dv['path']}: {dv['state'].upper() if dv['state'] != 'ok' else 'ok'}, "
+            state = dv['state'].upper() if dv['state'] != 'ok' else 'ok'
+            if dv["state"] == "failed":
+                since = datetime.datetime.fromtimestamp(dv["failed_since"]).astimezone().strftime(
+                    "%Y-%m-%d %H:%M:%S %Z")
+                state += (f" ({dv['reason']} since {since}; not used until `kvstore fsck --repair` "
+                          "re-admits it)")
+            rows.append((f"device{dv['device']}", f"{dv['path']}: {state}, "
                          f"{dv['capacity_slots']:,} slots, used {used}, {io}"))
     pid = info["writer_pid"]
     rows.append(("writer", "none (nobody holds the writer lock)" if pid is None
