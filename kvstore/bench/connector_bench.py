@@ -28,6 +28,14 @@ import tempfile
 import threading
 import time
 
+# The worker connector's per-step calls: with TP=1 and vLLM's single-process executor they
+# run on the same thread as the scheduler's (the model runner's step), so they are timed too
+# and reported apart (the target is the scheduler side).
+WORKER_METHODS = ("bind_connector_metadata", "handle_preemptions", "start_load_kv",
+                  "wait_for_save", "get_finished", "get_transfer_results",
+                  "get_block_ids_with_load_errors", "build_connector_worker_meta",
+                  "get_kv_connector_stats")
+
 METHODS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
            "update_connector_output", "request_finished", "request_finished_all_groups",
            "take_events", "has_pending_push_work", "get_kv_connector_stats", "on_new_request")
@@ -134,6 +142,22 @@ class _StepTimer:
                         if dt > 50_000:
                             self._cur[4].append((_name, round(dt / 1e6, 3)))
             setattr(conn, name, timed)
+        self.worker: list[float] = []
+        if len(h.worker_connectors) == 1:
+            wconn = h.worker_connectors[0]
+            for name in WORKER_METHODS:
+                orig = getattr(wconn, name, None)
+                if orig is None:
+                    continue
+
+                def wtimed(*a, _orig=orig, **kw):
+                    t = time.perf_counter_ns()
+                    try:
+                        return _orig(*a, **kw)
+                    finally:
+                        if self._cur is not None:
+                            self._cur[7] += time.perf_counter_ns() - t
+                setattr(wconn, name, wtimed)
         sched = h.scheduler
         orig_schedule = sched.schedule
 
@@ -141,7 +165,7 @@ class _StepTimer:
         # Scheduler.schedule and update_from_output less the connector calls inside them.
         def schedule(*a, **kw):
             self._close()
-            self._cur = [0, False, 0, 0, [], 0, self._runq_ns()]
+            self._cur = [0, False, 0, 0, [], 0, self._runq_ns(), 0]
             t = time.perf_counter_ns()
             so = orig_schedule(*a, **kw)
             self._cur[5] += time.perf_counter_ns() - t
@@ -176,6 +200,7 @@ class _StepTimer:
         if self._cur is not None:
             if self._cur[1]:
                 self.runq.append((self._runq_ns() - self._cur[6]) / 1e6)
+                self.worker.append(self._cur[7] / 1e6)
                 self.steps.append(self._cur[0] / 1e6)
                 self.cpu.append(self._cur[2] / 1e6)
                 self.gc.append(self._cur[3] / 1e6)
@@ -212,6 +237,11 @@ class _StepTimer:
                 # connector calls excluded), for scale
                 "vllm_scheduler_p50_ms": round(_pct(self.vllm, 0.5), 4),
                 "vllm_scheduler_p99_ms": round(_pct(self.vllm, 0.99), 4),
+                # the worker connector's calls per step (TP=1: the same thread in vLLM's
+                # single-process executor), not part of the step_* figures above
+                "worker_step_p50_ms": round(_pct(self.worker, 0.5), 4),
+                "worker_step_p99_ms": round(_pct(self.worker, 0.99), 4),
+                "worker_step_max_ms": round(max(self.worker, default=0), 4),
                 # every step, for plots: connector wall, its CPU, the run-queue delay
                 "per_step": {"wall_ms": [round(x, 4) for x in s], "cpu_ms": [round(x, 4) for x in c],
                              "runq_ms": [round(x, 4) for x in self.runq]},
@@ -357,6 +387,11 @@ def format_table(r: dict) -> str:
                  "steps over 0.5 ms: " + "; ".join(
                      f"{ph} {r['phases'][ph].get('step_runq_p99_ms', 0):.3f} / "
                      f"{r['phases'][ph].get('steps_with_runq_over_0_5ms', 0)}" for ph in ("store", "load")))
+    if "worker_step_p50_ms" in st:
+        lines.append("the worker connector's calls per step (TP=1: the same thread in vLLM's "
+                     "single-process executor), p50 / p99 ms: " + "; ".join(
+                         f"{ph} {r['phases'][ph]['worker_step_p50_ms']:.3f} / "
+                         f"{r['phases'][ph]['worker_step_p99_ms']:.3f}" for ph in ("store", "load")))
     lines.append("for scale, vLLM's own scheduler per step (schedule + update_from_output, connector "
                  "calls excluded), p50 / p99 ms: " + "; ".join(
                      f"{ph} {r['phases'][ph]['vllm_scheduler_p50_ms']:.3f} / "
