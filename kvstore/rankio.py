@@ -479,7 +479,9 @@ class RankIO:
             return call(0, None)
         groups = [(d, np.flatnonzero(devs == d)) for d in range(self.ndev)]
         groups = [(d, i) for d, i in groups if i.size]
-        failed = self.failed
+        # one snapshot: another device thread may fail a device meanwhile, and every
+        # group must land in exactly one of `dead` and `futs`
+        failed = set(self.failed)
         if len(groups) <= 1 and not (groups and groups[0][0] in failed):
             return call(groups[0][0] if groups else 0, None)
         pools = self._device_pool()
