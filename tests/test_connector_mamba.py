@@ -466,3 +466,38 @@ def test_a_mamba_view_that_does_not_overlay_the_carrier_is_refused(tmp_path):
         for bad in (v[1:], v.as_strided(v.shape, (v.stride(0) // 2,) + v.stride()[1:])):
             with pytest.raises(ConfigError, match=name):
                 check_groups_alias({**kv, name: bad}, cfg, 0)
+
+
+@pytest.mark.parametrize("kw, group, block", [(MAMBA, SSM, 7), (dict(), 0, 3)],
+                         ids=["three-groups", "one-group"])
+def test_a_request_aborted_while_its_failing_load_is_in_flight_leaves_nothing(
+        tmp_path, kw, group, block):
+    """A corrupt slot's load held at the disk, the request aborted meanwhile (vLLM calls
+    request_finished before the worker reports): once the failure arrives (failed_recving
+    with three groups, invalid_block_ids with one) nothing of the request is kept, its
+    pins are gone and the bad entry is dropped (kv_harness's leak checks)."""
+    store = tmp_path / "store"
+    p = prompts(99, 1, 140)[0]
+    with kv_harness(store, **kw) as h:
+        h.run([p], max_tokens=1)
+        settle(h)
+        key = _keys(h, p, group)[block]
+        entry = sched(h).store.lookup(key)
+        flip_payload_byte(store, 0, entry.slot, byte=100)
+        drop_gpu_cache(h)
+        gate = Gate("read")
+        set_injector(h, gate)
+        rid = h.add_request(p, max_tokens=2)
+        h.step()
+        s = sched(h)
+        assert rid in s._inflight_loads
+        h.abort(rid)
+        h.step()
+        gate.wait_hit()
+        gate.open()
+        settle(h)
+        set_injector(h, None)
+        assert rid not in s._inflight_loads and s.index.pinned_slots == 0
+        assert rid not in s._load_failed and not s._load_invalid
+        assert sched(h).store.lookup(key) is None       # the bad entry is dropped
+        assert h.stats["blocks_mismatched"] == 0

@@ -562,12 +562,15 @@ class KVStoreScheduler:
             # Counted here, once per block: the workers' counts are per rank, and the
             # union of failed blocks over the ranks is only known after aggregation.
             failed = len(self._load_invalid.pop(req_id, ()))
+            # A request aborted during its load is gone (request_finished ran): no
+            # reason to remember that it must not read the disk again.
+            live = req_id in self._requests
             if req_id in failed_reqs:   # a hybrid model's load fails as a whole
                 failed = len(job.block_ids)
-                if job.unavailable:
+                if job.unavailable and live:
                     self._load_failed.add(req_id)
             self._stats.add(loaded_blocks=len(job.block_ids) - failed, load_failures=failed)
-            if failed:
+            if failed and live:
                 self._load_failed.add(req_id)
             self._to_touch.extend(job.keys)
         if self._to_touch:
