@@ -421,3 +421,32 @@ def test_rebuild_index_keeps_the_fence_and_never_adopts_fenced_slots(tmp_path, d
         assert st.index.fenced_devices() == {}
         assert all(e.slot % D != 2 for e in st.index.iter_entries())
         assert st.stats()["used_slots"] == 16
+
+
+def test_erofs_on_writes_mid_serving_fences_the_device_as_readonly(tmp_path, disks):
+    """A file system that turned read-only under a running server (ext4
+    errors=remount-ro after a media error; `mount -o remount,ro` itself is refused while
+    the slot files are open for writing) fails writes with EROFS: the device is fenced as
+    `readonly` (reads still work, but nothing more is stored there)."""
+    dirs, _, _ = disks
+    store = tmp_path / "store"
+    with _harness(store, dirs) as h:
+        for w in workers(h):
+            w.io.rings[2].fault_injector = lambda op, fds, offs, lens: (
+                [(i, "error", errno.EROFS) for i in range(len(fds))] if op == "write" else [])
+        ps = prompts(51, 4, 6 * 16)
+        h.run(ps, max_tokens=1)
+        settle(h)
+        s = sched(h)
+        assert s.index.fences.get(2, ("",))[0] == "readonly"
+        assert conn_stats(h)["store_dropped_blocks"] > 0            # its blocks were not stored
+        assert _entries_on(s, 2) == []
+        drop_gpu_cache(h)
+        h.run(ps, max_tokens=1)                                        # stored on the others now
+        settle(h)
+        assert _entries_on(s, 2) == [] and len(_entries_on(s, 0)) >= 8
+        drop_gpu_cache(h)
+        st = h.run(ps, max_tokens=2)
+        assert st["blocks_mismatched"] == 0 and st["blocks_loaded"] > 0
+        _quiet(h)
+    assert gather(str(store))["devices"][2]["reason"] == "readonly"
