@@ -32,8 +32,9 @@ table; sliding-window layers are verified only inside the window vLLM keeps
 With ``mamba=True`` a Mamba group joins them (three groups with ``sliding_window``):
 vLLM's ``MambaSpec`` in "align" mode, a ``[num_blocks, 1, 1, state_bytes]`` int8 view
 on a page padded to the attention page. Its fake state is a pure function of (hash of
-the prefix, layer, rank) written into the state block of the step's last position, and
-a request that starts from a hit is checked on the state block at the hit's end.
+the prefix, layer, rank) written into the state block of the step's last position; a
+request that starts from a hit is checked on the state block at the hit's end, and every
+later step of a request reads (checks) the state it continues from, as an SSM does.
 """
 
 from __future__ import annotations
@@ -228,7 +229,9 @@ class EngineHarness:
             parts, full attention first, then sliding window (if set), then Mamba.
             The fake forward writes, after each step, the state of the prefix's last
             token into the block of that position; a request starting from a hit is
-            verified on the state block at its hit's end. An int k > 1 makes k Mamba
+            verified on the state block at its hit's end, and each later step reads
+            the state it continues from (``states_read``; a wrong one counts in
+            ``blocks_mismatched``). An int k > 1 makes k Mamba
             groups (a hybrid with k times as many Mamba layers as attention layers,
             which vLLM splits into groups of equal size).
         mamba_cache_mode: the cache config's (and MambaSpec's) mode with ``mamba``.
@@ -422,6 +425,7 @@ class EngineHarness:
             "blocks_verified": 0,
             "blocks_loaded": 0,
             "blocks_mismatched": 0,
+            "states_read": 0,
             "local_hit_tokens": 0,
             "external_hit_tokens": 0,
             "finished_recving": 0,
@@ -826,6 +830,31 @@ class EngineHarness:
         self.stats["blocks_verified"] += 1
         self.stats["blocks_mismatched"] += int(bad)
 
+    def _read_state(self, req_id: str, g: int, start: int, hsh: int) -> None:
+        """The state a running request's step continues from (the block of position
+        ``start - 1``, every Mamba layer and rank) must be the state after exactly
+        ``start`` tokens: a fake SSM that reads its input state. ``states_read`` counts
+        them; a wrong one counts in ``blocks_mismatched``."""
+        bs = self.block_size
+        i = (start + bs - 1) // bs - 1
+        table = self._req_state[req_id].tables[g]
+        bid = table[i] if i < len(table) else 0
+        bad = []
+        for rk in self.ranks if bid else ():
+            for li in self.group_layers[g]:
+                got = rk.byte_views[li][bid, 0, 0, :].numpy()
+                if (got != expected_state_bytes(hsh, li, rk.rank, self.mamba_state_bytes)).any():
+                    bad.append((rk.rank, li))
+        self.stats["states_read"] += 1
+        if bid and not bad:
+            return
+        self.stats["blocks_mismatched"] += 1
+        if len(self.mismatches) < 16:
+            rank, layer = bad[0] if bad else (None, None)
+            self.mismatches.append(dict(req_id=req_id, group=g, rank=rank, layer=layer,
+                                        position=start, block_id=bid, state=True,
+                                        state_read=True, null=not bid))
+
     def _verify_group(self, req_id: str, st: _ReqState, g: int, num_computed: int,
                       hashes: np.ndarray) -> None:
         """Check the bytes of group ``g``'s layers at the positions the group still
@@ -931,6 +960,8 @@ class EngineHarness:
         writes: list[list] = [[] for _ in range(self.num_groups)]
         req_ids: list[str] = []
         sampled: list[list[int]] = []
+        first_ids = {r for r, _ in first}
+        state_reads: list[tuple] = []   # (req, group, start, prefix hash at start - 1)
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[req_id]
             end = req.num_computed_tokens  # already advanced by schedule()
@@ -941,6 +972,11 @@ class EngineHarness:
             hs = np.asarray(h[start:end], dtype=np.uint64)
             for g in range(self.num_groups):
                 if self.group_is_mamba[g]:
+                    if n > 0 and start > 0 and req_id not in first_ids:
+                        # A running request continues from the state its previous
+                        # step wrote (a request scheduled for the first time is
+                        # checked by _verify, after the forward).
+                        state_reads.append((req_id, g, start, int(h[start - 1])))
                     # The state after this step's last token, in the block of that
                     # position (align mode: vLLM ends prefill chunks at block
                     # boundaries, so block i keeps the state after (i+1)*block_size).
@@ -975,6 +1011,12 @@ class EngineHarness:
                 c.bind_connector_metadata(meta)
                 if so.has_sync_kv_loads:
                     c.start_load_kv(rk.forward_context)
+        # The Mamba states this step's forward reads, before it writes (decode updates
+        # the state block in place), as an SSM reads them: overwritten by anything but
+        # the request's own previous step, they are a mismatch.
+        if self.verify_enabled:
+            for req_id, g, start, hsh in state_reads:
+                self._read_state(req_id, g, start, hsh)
         # Phase 2, every rank: forward (writes this step's tokens).
         for rk in self.ranks:
             self._forward_write(rk, writes)

@@ -298,3 +298,29 @@ def test_mamba_harness_arguments_are_checked():
         st = h.run(_prompts(8, 2, 70), max_tokens=2)
         assert st["local_hit_tokens"] == 2 * 64 and st["blocks_mismatched"] == 0
         assert st["blocks_verified"] == 2 * (4 + 1)
+
+
+def test_a_running_request_reads_its_mamba_state_at_every_step():
+    """The fake forward reads the state it continues from, as an SSM does: a running
+    request's state block overwritten between two of its steps (say, by a load scattered
+    into the wrong block) is a mismatch at its next step, though no request starts from
+    that state; an untouched run checks the state at every step and finds none."""
+    with EngineHarness(**MAMBA) as h:
+        rid = h.add_request(_prompts(10, 1, 40)[0], max_tokens=6)
+        h.step()                                  # prefill to 32 (a block edge)
+        h.step()                                  # 32 -> 40: the state in block 2
+        blk = h.block_tables(rid)[2][2]
+        layer = h.layers_of_group(2)[0]
+        h.corrupt_block(blk, layer=layer, byte=5)
+        h.step()                                  # 40 -> 41 reads it
+        assert h.stats["blocks_mismatched"] == 1
+        m = h.mismatches[-1]
+        assert (m["req_id"], m["group"], m["layer"], m["block_id"], m["position"]) == \
+            (rid, 2, layer, blk, 40) and m["state_read"]
+        h.drain()
+        assert h.stats["blocks_mismatched"] == 1   # the next steps read the new states
+    with EngineHarness(**MAMBA) as h:
+        st = h.run(_prompts(9, 1, 40), max_tokens=6)
+        # 0 -> 32, 32 -> 40, then 5 decode steps: all but the first continue from the
+        # state their predecessor wrote
+        assert st["blocks_mismatched"] == 0 and st["states_read"] == 6
