@@ -501,3 +501,25 @@ def test_a_request_aborted_while_its_failing_load_is_in_flight_leaves_nothing(
         assert rid not in s._load_failed and not s._load_invalid
         assert sched(h).store.lookup(key) is None       # the bad entry is dropped
         assert h.stats["blocks_mismatched"] == 0
+
+
+@pytest.mark.parametrize("interval, states, want, asy", [
+    (32, [5, 7], 128, False),           # 96 ends the prompt's first chunk; 128 a decode step
+    (None, [5, 6, 7, 8], 144, True),    # dense: every block edge the decode passed
+], ids=["interval-32", "dense-async"])
+def test_states_vllm_retains_during_decode_are_stored_and_hit(tmp_path, interval, states,
+                                                              want, asy):
+    """A decode step ends at every token, so vLLM keeps (and hands off) the states at the
+    retained block edges the decode passes, not only where a prefill chunk ended: a
+    conversation continued from the answer hits up to the last of them."""
+    store = tmp_path / "store"
+    a = prompts(70, 1, 100)[0]
+    with kv_harness(store, retention_interval=interval, async_scheduling=asy, **MAMBA) as h:
+        rid = h.add_request(a, max_tokens=60)
+        h.drain()
+        settle(h)
+        full = a + h.finished[rid]
+        assert [i for i, x in enumerate(_on_disk(h, _keys(h, full, SSM))) if x] == states
+        s, hit = _replay(h, [full[:150] + prompts(71, 1, 20)[0]], max_tokens=1)
+        loads_ok(s)
+        assert hit == want and s["states_read"] > 0
