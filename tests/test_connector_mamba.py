@@ -523,3 +523,38 @@ def test_states_vllm_retains_during_decode_are_stored_and_hit(tmp_path, interval
         s, hit = _replay(h, [full[:150] + prompts(71, 1, 20)[0]], max_tokens=1)
         loads_ok(s)
         assert hit == want and s["states_read"] > 0
+
+
+@pytest.mark.parametrize("kw, group, block", [(MAMBA, SSM, 7), (dict(), 0, 3)],
+                         ids=["three-groups", "one-group"])
+def test_a_failed_load_under_policy_fail_leaves_nothing(tmp_path, kw, group, block):
+    """kv_load_failure_policy "fail" (vLLM's default): vLLM finishes the request with an
+    error (request_finished) before it hands the connector the failure, so kvstore must
+    not remember the request afterwards; its pins go, the bad entry is dropped."""
+    import os
+
+    from connector_util import assert_quiescent
+
+    from kvstore.testing import EngineHarness
+    store = tmp_path / "store"
+    p = prompts(100, 1, 140)[0]
+    cfg = kv_config(store)
+    cfg["kv_load_failure_policy"] = "fail"
+    before = open_fds()
+    h = EngineHarness(kv_transfer_config=cfg, workdir=str(tmp_path), **kw)
+    try:
+        h.run([p], max_tokens=1)
+        settle(h)
+        key = _keys(h, p, group)[block]
+        flip_payload_byte(store, 0, sched(h).store.lookup(key).slot, byte=100)
+        drop_gpu_cache(h)
+        h.run([p], max_tokens=2)
+        settle(h)
+        s = sched(h)
+        assert h.stats["failed_recving" if kw else "invalid_block_ids"] >= 1
+        assert not s._load_failed and not s._requests
+        assert s.store.lookup(key) is None
+        assert_quiescent(h, str(store), before)
+    finally:
+        h.shutdown()
+    assert not {f for f in open_fds() - before if "pytest" not in f and os.sep in f}
