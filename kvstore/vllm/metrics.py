@@ -19,6 +19,7 @@ COUNTERS = {
     "store_dropped_blocks": "Blocks not stored (store full, staging full or write error)",
     "evicted_blocks": "Blocks evicted from the disk store (LRU)",
     "load_failures": "Blocks whose load failed (I/O error, checksum mismatch, timeout): recomputed",
+    "admission_rejected_blocks": "Blocks not stored at their first sighting (admission second_sight)",
 }
 GAUGES = {
     "used_slots": "Slots holding a committed block",
@@ -28,6 +29,14 @@ GAUGES = {
 # Per failed device: a gauge key DEVICE_FAILED + data directory = 1, exported as
 # vllm:kvstore_device_failed{device="<data directory>"} (several data directories only).
 DEVICE_FAILED = "device_failed:"
+# Wear accounting, per device (data directory; the store directory for a single-directory
+# store): counter keys DEVICE_WRITTEN / DEVICE_READ + data directory, bytes the workers
+# wrote / read there since the last report (every rank's, summed by the aggregation),
+# exported as vllm:kvstore_device_bytes_written_total{device="<data directory>"} and
+# vllm:kvstore_device_bytes_read_total{device=...}.
+DEVICE_WRITTEN = "device_bytes_written:"
+DEVICE_READ = "device_bytes_read:"
+_DEVICE_COUNTERS = (DEVICE_WRITTEN, DEVICE_READ)
 
 
 def _is_gauge(k: str) -> bool:
@@ -68,7 +77,8 @@ class KVStoreStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k, 0) for k in COUNTERS)
+        return not any(v for k, v in self.data.items()
+                       if k in COUNTERS or k.startswith(_DEVICE_COUNTERS))
 
 
 class KVStorePromMetrics(KVConnectorPromMetrics):
@@ -89,6 +99,16 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
             name="vllm:kvstore_device_failed",
             documentation="1 for a data directory (device) fenced as failed",
             labelnames=list(labelnames) + ["device"])
+        self._device_bytes = {
+            DEVICE_WRITTEN: self._counter_cls(
+                name="vllm:kvstore_device_bytes_written",
+                documentation="Bytes kvstore wrote to a data directory (device), all ranks: "
+                              "wear accounting", labelnames=list(labelnames) + ["device"]),
+            DEVICE_READ: self._counter_cls(
+                name="vllm:kvstore_device_bytes_read",
+                documentation="Bytes kvstore read from a data directory (device), all ranks",
+                labelnames=list(labelnames) + ["device"]),
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for k, v in transfer_stats_data.items():
@@ -99,3 +119,7 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
             elif k.startswith(DEVICE_FAILED):
                 self._device_failed.labels(*self._engine_labels[engine_idx],
                                            k[len(DEVICE_FAILED):]).set(v)
+            elif k.startswith(_DEVICE_COUNTERS) and v:
+                p = DEVICE_WRITTEN if k.startswith(DEVICE_WRITTEN) else DEVICE_READ
+                self._device_bytes[p].labels(*self._engine_labels[engine_idx],
+                                             k[len(p):]).inc(v)

@@ -26,7 +26,7 @@ from kvstore.rankio import RankIO, SlotRef
 from kvstore.transfer import KVTransfer, check_groups_alias
 from kvstore.vllm.config import ConnectorConfig, carrier_group
 from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob, StoreReport
-from kvstore.vllm.metrics import KVStoreStats
+from kvstore.vllm.metrics import DEVICE_READ, DEVICE_WRITTEN, KVStoreStats
 
 log = logging.getLogger("kvstore.vllm.worker")
 
@@ -98,6 +98,7 @@ class KVStoreWorker:
         self.load_busy_s = 0.0          # I/O thread time spent on loads (for throughput)
         self.loaded_bytes_total = 0
         self._reported_devices: set[int] = set()   # failed devices already reported
+        self._io_reported = self.io.io_bytes.copy()  # per device [read, written] reported
         self._thread = threading.Thread(target=self._run, name=f"kvstore-io-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -451,12 +452,25 @@ class KVStoreWorker:
         return KVStoreWorkerMeta(store_reports=reports, bad_keys=bad, failed_devices=devs)
 
     def get_stats(self) -> KVStoreStats | None:
+        # Wear accounting: the bytes this rank moved per device since the last report
+        # (RankIO.io_bytes, which the device threads add to; only this thread reads it).
+        now = self.io.io_bytes.copy()
+        delta = now - self._io_reported
+        self._io_reported = now
+        dev = {}
+        for d in delta.any(axis=1).nonzero()[0].tolist():
+            ddir = self.io.dirs[d]
+            if delta[d, 1]:
+                dev[DEVICE_WRITTEN + ddir] = int(delta[d, 1])
+            if delta[d, 0]:
+                dev[DEVICE_READ + ddir] = int(delta[d, 0])
         # Copy and reset under the lock the I/O thread adds under: no count is lost.
         with self._lock:
-            if self._stats.is_empty():
+            if self._stats.is_empty() and not dev:
                 return None
             out = KVStoreStats(dict(self._stats.data))
             self._stats.reset()
+        out.data.update(dev)
         return out
 
     def pending(self) -> int:
