@@ -31,13 +31,15 @@ class ConnectorConfig:
     index_thread: bool = True
     slot_pool: int | None = None
     data_dirs: tuple[str, ...] | None = None   # one directory per device (docs/CONFIG.md)
+    admission: str = "always"       # "second_sight": store a block only when seen before
+    admission_window: int = 1 << 20   # first sightings the second-sight filter remembers
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "ConnectorConfig":
         extra = dict(extra or {})
         known = {"path", "capacity", "io_mode", "queue_depth", "store_policy", "verify",
                  "durability", "staging", "load_timeout_s", "max_store_blocks_per_step", "create",
-                 "index_thread", "slot_pool", "data_dirs"}
+                 "index_thread", "slot_pool", "data_dirs", "admission", "admission_window"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kvstore: unknown kv_connector_extra_config key(s) {unknown}; "
@@ -88,6 +90,8 @@ class ConnectorConfig:
             slot_pool=None if extra.get("slot_pool") is None
             else integer("slot_pool", None, 1, 1 << 24),
             data_dirs=_data_dirs(extra.get("data_dirs")),
+            admission=choice("admission", "always", ("always", "second_sight")),
+            admission_window=integer("admission_window", 1 << 20, 16, 1 << 28),
         )
 
 

@@ -19,6 +19,7 @@ from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys)
 
 from kvstore.engine import DiskStore, ensure_store
+from kvstore._keytable import SeenFilter
 from kvstore.errors import KVStoreError
 from kvstore.serving_index import ServingIndex, SyncServingIndex
 from kvstore.vllm.config import ConnectorConfig, block_key
@@ -113,6 +114,12 @@ class KVStoreScheduler:
         self._kv_cache_manager = None
         self._block_pool = None
         self._warned: set[str] = set()
+        # Admission on second sight (cfg.admission): a planned block is stored only when
+        # its key was planned before within the window (`SeenFilter`, one probe per
+        # planned block); None stores every block (the default).
+        self._admission = SeenFilter(cfg.admission_window) \
+            if cfg.admission == "second_sight" else None
+        self._lazy_sighted: set[bytes] = set()   # lazy: first sightings still in the head
 
     # -- helpers ---------------------------------------------------------------------
     def _warn_once(self, what: str, exc: Exception) -> None:
@@ -320,12 +327,14 @@ class KVStoreScheduler:
                     continue
                 k, b, idx = self.index.plan_new(req.block_hashes, first, stop, ids,
                                                 self._storing_keys, room, g)
+                ups[g] = idx[-1] + 1 if len(k) == room else stop
+                if self._admission is not None:     # first sightings are left out
+                    k, b, idx = self._admission.admit(k, b, idx, self._storing_keys)
                 spans.append((req_id, len(keys), idx))
                 keys += k
                 bids += b
                 if self.events_enabled:
                     origins += [self._origin(req, i) for i in idx]
-                ups[g] = idx[-1] + 1 if len(k) == room else stop
 
     def _plan_boundary_states(self, scheduler_output, limit: int, keys: list, bids: list,
                               origins: list) -> None:
@@ -337,7 +346,12 @@ class KVStoreScheduler:
         so nothing else is stored for a Mamba group. Dropped: requests finished,
         preempted or unknown this step (their blocks may already be someone else's),
         null or unhashed blocks, boundaries off a block edge, blocks whose hash is not
-        the request's hash at that boundary, and keys stored or being stored."""
+        the request's hash at that boundary, and keys stored or being stored.
+        Never filtered by second-sight admission (`admission`): vLLM hands a state off
+        only from the forward that computes it, never on a GPU hit, so a state left out
+        at its first sighting would be stored only if the prefix were computed again,
+        and a prefix seen twice would have its attention blocks on disk but no state
+        to end a hit at. A state is one block per hand-off."""
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         offloads = getattr(state, "boundary_state_offloads", None) if state is not None else None
         if not offloads:
@@ -430,13 +444,15 @@ class KVStoreScheduler:
                 blocks = list(blocks)
             k, b, idx = self.index.plan_new(req.block_hashes, first, nfull, blocks,
                                             self._storing_keys, room)
+            # A walk the limit cut short resumes after its last block in a later step.
+            self._stored_upto[req_id] = idx[-1] + 1 if len(k) == room else nfull
+            if self._admission is not None:     # first sightings are left out
+                k, b, idx = self._admission.admit(k, b, idx, self._storing_keys)
             spans.append((req_id, len(keys), idx))
             keys += k
             bids += b
             if self.events_enabled:
                 origins += [self._origin(req, i) for i in idx]
-            # A walk the limit cut short resumes after its last block in a later step.
-            self._stored_upto[req_id] = idx[-1] + 1 if len(k) == room else nfull
 
     def _origin(self, req, i: int) -> tuple:
         """What block i of req's BlockStored event carries besides its hash, as vLLM's
@@ -459,8 +475,16 @@ class KVStoreScheduler:
             return
         storing, contains = self._storing_keys, self.index.contains
         mamba = self._mamba_groups
+        # Second sight: a block waiting in the head of the free queue is seen at every
+        # step until it leaves it; only a sighting after it left (reused by a hit and
+        # freed again, or evicted and computed again) is a second one. `sighted` holds
+        # the first sightings still in the head, which are skipped without a probe.
+        adm = self._admission
+        sighted, now = self._lazy_sighted, set()
+        cut = False
         for seen, node in enumerate(pool.free_block_queue.iter_blocks_after(None)):
             if seen >= self._lazy_target or len(keys) >= limit:
+                cut = len(keys) >= limit
                 break
             if node.block_hash is None or getattr(node, "is_null", False):
                 continue
@@ -469,9 +493,22 @@ class KVStoreScheduler:
                 continue
             if mamba and int.from_bytes(key[-4:], "big") in mamba:
                 continue        # Mamba states are stored from vLLM's hand-offs only
+            if adm is not None:
+                if key in sighted:
+                    now.add(key)
+                    continue
+                if not adm.sight(key):      # a first sighting: remembered, not stored
+                    now.add(key)
+                    continue
             storing.add(key)
             keys.append(key)
             bids.append(node.block_id)
+        if adm is not None:
+            # A walk the limit cut short did not see the rest of the head: keep its
+            # first sightings too (bounded: reset once it outgrows the head 4 times).
+            if cut and len(sighted) + len(now) <= 4 * self._lazy_target:
+                now |= sighted
+            self._lazy_sighted = now
 
     def _plan_stores(self, scheduler_output) -> list[StoreJob]:
         limit = self.cfg.max_store_blocks_per_step
@@ -489,6 +526,10 @@ class KVStoreScheduler:
                 self._plan_eager(scheduler_output, limit, keys, bids, origins, spans)
             else:
                 self._plan_lazy(limit, keys, bids)
+            if self._admission is not None:
+                rejected = self._admission.take_rejected()
+                if rejected:
+                    self._stats.add(admission_rejected_blocks=rejected)
             if not keys:
                 return []
             if not self.events_enabled:
