@@ -482,9 +482,12 @@ class RankIO:
         # one snapshot: another device thread may fail a device meanwhile, and every
         # group must land in exactly one of `dead` and `futs`
         failed = set(self.failed)
-        if len(groups) <= 1 and not (groups and groups[0][0] in failed):
-            return call(groups[0][0] if groups else 0, None)
         pools = self._device_pool()
+        if len(groups) <= 1 and not (groups and groups[0][0] in failed):
+            # Still on the device's own thread: with several devices the double buffer
+            # runs two ring ops at once, and a ring must never be used by two threads.
+            d = groups[0][0] if groups else 0
+            return pools[d].submit(call, d, None).result()
         # A failed device's ops are never submitted: they fail with EIO at once, so no
         # request waits on a dead disk.
         dead = [(idx, self._dead(call, len(idx))) for d, idx in groups if d in failed]

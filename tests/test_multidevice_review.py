@@ -1,0 +1,75 @@
+"""Review of issue 15's stores over several devices: bugs found and their regression tests
+(real loop-mounted ext4, real rings, LMDB and files)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+
+import numpy as np
+
+from kvstore.engine import DiskStore, SlotRef, probe_data_dir
+from kvstore.layout import Layout
+from kvstore.tools.fsck import fsck
+from test_multidevice import _loop_ext4, disks  # noqa: F401  (the fixture)
+
+BB = 16 << 10
+SLOT = BB + 4096
+LAYOUT1 = Layout(model="tiny-llama", dtype="float16", block_size=16, block_bytes=BB, num_layers=2,
+                 num_kv_heads=2, head_dim=64, tp_size=1)
+
+
+def test_single_device_chunks_never_share_a_ring_between_threads(tmp_path, disks):  # noqa: F811
+    """With several devices the double buffer runs two ring ops at once; a chunk whose
+    slots all live on one device (a store with the other devices fenced, or an LRU that
+    happens to hand out one device's slots) ran on the double buffer's own thread, so two
+    threads drove one io_uring at once: completions reaped by the wrong batch (writes
+    reported done while in flight, "short counts" of 61440 of 20480 bytes) and hangs."""
+    with DiskStore.create(str(tmp_path / "store"), LAYOUT1, 300 * SLOT, data_dirs=disks, io=True,
+                          staging_bytes=16 * SLOT) as st:
+        rio = st.ranks[0]
+        users: dict[int, set] = {}
+        active: dict[int, int] = {}
+        overlap = []
+        lock = threading.Lock()
+
+        def spy(d):
+            def inj(op, fds, offs, lens):
+                with lock:
+                    active[d] = active.get(d, 0) + 1
+                    users.setdefault(d, set()).add(threading.current_thread().name)
+                    if active[d] > 1:
+                        overlap.append((d, op))
+                time.sleep(0.02)
+                with lock:
+                    active[d] -= 1
+                return []
+            return inj
+        for d, ring in enumerate(rio.rings):
+            ring.fault_injector = spy(d)
+        refs = [SlotRef(b"k%05d" % i, 3 * i, 1) for i in range(60)]   # all on device 0
+
+        def fill(a, b, views):
+            for j, v in enumerate(views):
+                v[:] = (a + j) % 251
+        out = {}
+
+        def work():
+            out["w"] = rio.write_blocks(refs, fill)
+            wrong = []
+
+            def drain(a, b, views, errors):
+                wrong.extend(a + j for j, (v, e) in enumerate(zip(views, errors))
+                             if e is None and not (np.asarray(v) == (a + j) % 251).all())
+            out["r"] = rio.read_blocks(refs, drain)
+            out["wrong"] = wrong
+        t = threading.Thread(target=work, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "the striped I/O hung"
+        for ring in rio.rings:
+            ring.fault_injector = None
+        assert users[0] == {"kvstore-dev0-r0_0"}, users     # device 0's ring: its thread only
+        assert not overlap
+        assert out["w"] == [None] * 60 and out["r"] == [None] * 60 and out["wrong"] == []
