@@ -147,8 +147,13 @@ def probe_data_dir(path: str, store: str, device: int, direct: bool = True) -> t
         return "missing", f"{path} is not a directory"
     marker = os.path.join(path, DATA_MARKER)
     try:
-        with open(marker, "rb") as f:
-            doc = json.loads(f.read(1 << 16))
+        if os.path.normpath(path) == os.path.normpath(store):
+            # the store directory as a data directory: create writes no marker there
+            # (its kvstore.json says whose it is)
+            doc = {"store": store, "device": device}
+        else:
+            with open(marker, "rb") as f:
+                doc = json.loads(f.read(1 << 16))
     except FileNotFoundError:
         return "missing", f"{marker} is missing (an empty mount point: device not mounted?)"
     except (OSError, ValueError) as exc:

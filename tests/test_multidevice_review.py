@@ -73,3 +73,21 @@ def test_single_device_chunks_never_share_a_ring_between_threads(tmp_path, disks
         assert users[0] == {"kvstore-dev0-r0_0"}, users     # device 0's ring: its thread only
         assert not overlap
         assert out["w"] == [None] * 60 and out["r"] == [None] * 60 and out["wrong"] == []
+
+
+def test_store_directory_as_a_data_directory_probes_usable(tmp_path, disks):  # noqa: F811
+    """FORMAT: "a data directory can be the store directory itself"; creation writes no
+    marker there, and the start-up probe called it missing (an empty mount point), so
+    every scheduler start fenced device 0 and dropped its entries."""
+    store = tmp_path / "store"
+    store.mkdir()
+    dirs = [str(store), *disks[:2]]
+    with DiskStore.create(str(store), LAYOUT1, 30 * SLOT, data_dirs=dirs, io=True,
+                          staging_bytes=1 << 20) as st:
+        assert [probe_data_dir(d, st.path, i) for i, d in enumerate(st.data_dirs)] == [None] * 3
+        from kvstore.serving_index import ServingIndex
+        si = ServingIndex(st, probe_devices="direct")
+        try:
+            assert si.fences == {}
+        finally:
+            si.close()
