@@ -91,3 +91,28 @@ def test_store_directory_as_a_data_directory_probes_usable(tmp_path, disks):  # 
             assert si.fences == {}
         finally:
             si.close()
+
+
+def test_fsck_repair_leaves_an_empty_mount_point_alone(tmp_path):
+    """A device unmounted with data_dirs naming its mount point leaves an empty directory:
+    fsck --repair took it for a device whose rank directory was deleted, recreated the
+    slot files on the root file system under the mount point and dropped every entry on
+    the device (valid again once it is mounted)."""
+    mnts = [str(_loop_ext4(tmp_path, f"m{i}", 24)) for i in range(3)]
+    try:
+        store = str(tmp_path / "store")
+        with DiskStore.create(store, LAYOUT1, 30 * SLOT, data_dirs=mnts, io=True,
+                              staging_bytes=1 << 20) as st:
+            ks = [b"k%03d" % i for i in range(12)]
+            st.put(ks, lambda i, r: np.full(BB, i, np.uint8))
+        subprocess.run(["umount", "-l", mnts[1]], check=True)
+        assert os.path.isdir(mnts[1]) and os.listdir(mnts[1]) == []
+        rep = fsck(store, repair=True)
+        assert os.listdir(mnts[1]) == [], "fsck created files under the empty mount point"
+        missing = [f for f in rep.findings if f.kind == "slot_file_missing"]
+        assert missing and not any(f.fixed for f in missing)
+        with DiskStore(store, readonly=True) as st:
+            assert all(st.lookup(k) is not None for k in ks)   # entries kept
+    finally:
+        for m in mnts:
+            subprocess.run(["umount", "-l", m], check=False)

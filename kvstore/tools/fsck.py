@@ -174,6 +174,27 @@ def _short(key: bytes | None) -> str:
     return h if len(h) <= 20 else f"{h[:16]}..{h[-2:]}"
 
 
+def _device_absent(ddir: str, store: str, d: int) -> str:
+    """Why device d's data directory is not this store's device d ("" when it is): gone,
+    or without a `kvstore-data.json` naming this store and device (an empty mount point
+    of an unmounted device). The store directory itself carries no marker."""
+    import json
+    if not os.path.isdir(ddir):
+        return "no such directory"
+    if os.path.normpath(ddir) == os.path.normpath(store):
+        return ""
+    try:
+        with open(os.path.join(ddir, "kvstore-data.json"), "rb") as f:
+            doc = json.loads(f.read(1 << 16))
+    except FileNotFoundError:
+        return "no kvstore-data.json: an empty mount point?"
+    except (OSError, ValueError) as exc:
+        return f"kvstore-data.json unreadable: {exc}"
+    if not isinstance(doc, dict) or doc.get("store") != store or doc.get("device") != d:
+        return f"kvstore-data.json names {doc!r}"
+    return ""
+
+
 class _Check:
     """One fsck run over one store (the passes above); fills a Report."""
 
@@ -206,15 +227,17 @@ class _Check:
         g = self.geo
         ddir = self.dirs[d]
         many = len(self.dirs) > 1
-        if many and not os.path.isdir(ddir):
+        absent = many and _device_absent(ddir, self.path, d)
+        if absent:
             # Most often a device that is not mounted: never recreate its files elsewhere
             # (on the root file system under the mount point), and keep its entries
-            # (check_data): they are valid again once it is back.
+            # (check_data): they are valid again once it is back. An empty mount point
+            # (the directory is there, its kvstore-data.json is not) is one too.
             self.missing_devices.add(d)
             for r in range(self.layout.tp_size):
-                self.rep.add("slot_file_missing", f"data directory {ddir} (device {d}) is missing: "
-                             f"mount the device (or restore the directory); fsck does not recreate "
-                             f"it", rank=r)
+                self.rep.add("slot_file_missing", f"data directory {ddir} (device {d}) is missing "
+                             f"({absent}): mount the device (or restore the directory); fsck does "
+                             f"not recreate it", rank=r)
             return
         for r in range(self.layout.tp_size):
             rd = rank_dir(ddir, r)
