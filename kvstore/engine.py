@@ -202,10 +202,13 @@ def _claim_data_dir(path: str, store: str, device: int) -> None:
     import re
     marker = os.path.join(path, DATA_MARKER)
     owner = None
+    complete = False
     if os.path.lexists(marker):
         try:
             with open(marker, "rb") as f:
-                owner = json.loads(f.read(1 << 16)).get("store")
+                doc = json.loads(f.read(1 << 16))
+            owner = doc.get("store")
+            complete = doc.get("complete", True)   # markers made before the field: complete
         except (OSError, ValueError, AttributeError):
             owner = "?"
     ranks = [n for n in os.listdir(path) if re.fullmatch(r"rank\d+", n)]
@@ -215,15 +218,30 @@ def _claim_data_dir(path: str, store: str, device: int) -> None:
     if ranks and owner is None:
         raise KVStoreError(f"data directory {path} already holds slot files ({', '.join(ranks)}) of "
                            "no known store; give an empty directory, or remove them first")
+    if ranks and complete:
+        # The slots of this very store, whose creation finished: its kvstore.json is gone
+        # from view, most often because the store directory's own device is not mounted.
+        # Creating the store again would wipe every device's blocks.
+        raise KVStoreError(f"data directory {path} holds the slot files of store {store}, whose "
+                           f"{store}/kvstore.json is missing: mount the store directory's device "
+                           f"(or restore it); to start over, remove {path}/rank* first")
     for name in ranks:   # what an interrupted creation of this store left
         d = os.path.join(path, name)
         _check_dir(d)
         for f in os.listdir(d):
             if re.fullmatch(r"slots-\d{4}\.kvs", f) or f == "iostats":
                 os.unlink(os.path.join(d, f))
+    _write_marker(path, store, device, complete=False)
+
+
+def _write_marker(path: str, store: str, device: int, *, complete: bool) -> None:
+    """Write a data directory's kvstore-data.json (durably); `complete` once the store's
+    kvstore.json is written (only an incomplete creation's leftovers are ever removed)."""
+    import json
+    marker = os.path.join(path, DATA_MARKER)
     fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"store": store, "device": device}, f)
+        json.dump({"store": store, "device": device, "complete": complete}, f)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
@@ -419,6 +437,9 @@ class DiskStore:
             # The fingerprint is written last: a store without it is not a store, so a
             # crash during creation leaves nothing that could be opened half-made.
             write_fingerprint(path, layout, geo, capacity_bytes, dirs)
+            for d, ddir in enumerate(dirs or []):
+                if ddir != path:
+                    _write_marker(ddir, path, d, complete=True)
         except BaseException:
             for p in created:
                 try:

@@ -79,7 +79,7 @@ def test_store_over_three_devices_round_trips_and_reads_every_device(tmp_path, d
             for r in (0, 1):
                 n = st.geometry.device_slots(d)
                 assert os.path.getsize(slot_file_path(ddir, r, 0)) == n * SLOT
-            assert json.load(open(os.path.join(ddir, "kvstore-data.json"))) == {"store": store, "device": d}
+            assert json.load(open(os.path.join(ddir, "kvstore-data.json"))) == {"store": store, "device": d, "complete": True}
         assert [st.geometry.device_slots(d) for d in range(3)] == [14, 13, 13]
         ks = keys(30)
         assert st.put(ks, payload) == ks

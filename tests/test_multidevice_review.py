@@ -116,3 +116,47 @@ def test_fsck_repair_leaves_an_empty_mount_point_alone(tmp_path):
     finally:
         for m in mnts:
             subprocess.run(["umount", "-l", m], check=False)
+
+
+def test_engine_start_with_the_store_directory_unmounted_keeps_every_device(tmp_path, disks):  # noqa: F811
+    """The store directory on its own device, not mounted at start: ensure_store found no
+    kvstore.json, created the store again in the empty mount point, and the creation took
+    the data directories' markers (naming the same store path) for the leftovers of an
+    interrupted creation: it deleted every device's slot files."""
+    import pytest
+
+    from kvstore import KVStoreError
+    from kvstore.engine import ensure_store
+    meta = tmp_path / "meta"              # the store directory's own device
+    meta.mkdir()
+    store = str(meta / "store")
+    ks = [b"k%03d" % i for i in range(12)]
+    with DiskStore.create(store, LAYOUT1, 30 * SLOT, data_dirs=disks, io=True,
+                          staging_bytes=1 << 20) as st:
+        st.put(ks, lambda i, r: np.full(BB, i + 1, np.uint8))
+    os.rename(meta, tmp_path / "meta-away")   # not mounted: an empty mount point
+    meta.mkdir()
+    with pytest.raises(KVStoreError, match="kvstore.json is missing"):
+        ensure_store(store, LAYOUT1, 30 * SLOT, data_dirs=disks)
+    subprocess.run(["rm", "-rf", str(meta)], check=True)   # what the refused start left there
+    os.rename(tmp_path / "meta-away", meta)   # mounted again
+    with DiskStore(store, LAYOUT1, io=True, staging_bytes=1 << 20) as st:
+        got = st.get(ks)
+        assert [got[k][0] for k in ks] == [np.full(BB, i + 1, np.uint8).tobytes() for i in range(12)]
+
+
+def test_interrupted_creation_over_devices_is_cleaned_up(tmp_path, disks):  # noqa: F811
+    """What a creation killed before its kvstore.json left on the devices (incomplete
+    markers, slot files) is still removed by the next creation."""
+    import json
+    store = str(tmp_path / "store")
+    st = DiskStore.create(store, LAYOUT1, 30 * SLOT, data_dirs=disks, io=True, staging_bytes=1 << 20)
+    st.close()
+    subprocess.run(["rm", "-rf", store], check=True)      # as if killed before kvstore.json
+    for d, ddir in enumerate(disks):
+        with open(os.path.join(ddir, "kvstore-data.json"), "w") as f:
+            json.dump({"store": store, "device": d, "complete": False}, f)
+    with DiskStore.create(store, LAYOUT1, 30 * SLOT, data_dirs=disks, io=True, staging_bytes=1 << 20) as st:
+        assert st.get([b"x"]) == {}
+    for d, ddir in enumerate(disks):
+        assert json.load(open(os.path.join(ddir, "kvstore-data.json")))["complete"] is True
