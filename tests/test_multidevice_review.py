@@ -160,3 +160,23 @@ def test_interrupted_creation_over_devices_is_cleaned_up(tmp_path, disks):  # no
         assert st.get([b"x"]) == {}
     for d, ddir in enumerate(disks):
         assert json.load(open(os.path.join(ddir, "kvstore-data.json")))["complete"] is True
+
+
+def test_fsck_repair_leaves_the_empty_mount_point_of_a_single_data_dir_alone(tmp_path):
+    """data_dirs with one entry (the slots on one device apart from the store directory):
+    the missing-device check only ran with several devices, so --repair recreated the
+    files of an unmounted device on the root file system under its mount point."""
+    mnt = str(_loop_ext4(tmp_path, "m0", 24))
+    try:
+        store = str(tmp_path / "store")
+        ks = [b"k%03d" % i for i in range(6)]
+        with DiskStore.create(store, LAYOUT1, 20 * SLOT, data_dirs=[mnt], io=True,
+                              staging_bytes=1 << 20) as st:
+            st.put(ks, lambda i, r: np.full(BB, i, np.uint8))
+        subprocess.run(["umount", "-l", mnt], check=True)
+        fsck(store, repair=True)
+        assert os.listdir(mnt) == [], "fsck created files under the empty mount point"
+        with DiskStore(store, readonly=True) as st:
+            assert all(st.lookup(k) is not None for k in ks)
+    finally:
+        subprocess.run(["umount", "-l", mnt], check=False)

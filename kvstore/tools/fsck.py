@@ -226,8 +226,7 @@ class _Check:
     def _check_device_files(self, d: int) -> None:
         g = self.geo
         ddir = self.dirs[d]
-        many = len(self.dirs) > 1
-        absent = many and _device_absent(ddir, self.path, d)
+        absent = _device_absent(ddir, self.path, d)   # "" for the store directory itself
         if absent:
             # Most often a device that is not mounted: never recreate its files elsewhere
             # (on the root file system under the mount point), and keep its entries
