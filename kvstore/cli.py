@@ -328,17 +328,35 @@ def bench_ttft(lengths, samples, model, python, systems, directory, plot_path, a
 @click.option("--requests", default=20000, show_default=True, type=click.IntRange(1, 10**7))
 @click.option("--interval", default=2000, show_default=True, type=click.IntRange(1, 10**7))
 @click.option("--capacity", default="16M", show_default=True, help="Store capacity (far below the working set).")
+@click.option("--second-sight", "second_sight", is_flag=True,
+              help="Run the workload twice (same seed), with admission off and with "
+                   "\"admission\": \"second_sight\", and report bytes written and hit rate side by side.")
+@click.option("--admission-window", default=None, type=click.IntRange(16, 1 << 28),
+              help="admission_window of the second-sight run (default: the connector's).")
+@click.option("--seed", default=11, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True)
-def bench_soak(requests, interval, capacity, as_json):
+def bench_soak(requests, interval, capacity, second_sight, admission_window, seed, as_json):
     """A long replay with constant eviction: memory, fds and pins must stay flat."""
     from kvstore.bench import soak_bench
+    echo = (lambda *a: None) if as_json else click.echo
     try:
-        out = soak_bench.run(requests=requests, interval=interval, capacity=capacity,
-                             out=(lambda *a: None) if as_json else click.echo)
+        if second_sight:
+            out = soak_bench.compare_admission(requests=requests, interval=interval,
+                                               capacity=capacity, seed=seed,
+                                               admission_window=admission_window, out=echo)
+        else:
+            out = soak_bench.run(requests=requests, interval=interval, capacity=capacity,
+                                 seed=seed, out=echo)
     except (KVStoreError, OSError) as exc:
         _fail(exc)
     if as_json:
         click.echo(json.dumps(out, indent=2))
+    elif second_sight:
+        click.echo(f"second_sight writes {100 * out['bytes_written_ratio']:.0f}% of the bytes; disk "
+                   f"hit rate {100 * out['disk_hit_rate_delta']:+.1f} points")
+        for adm, r in out["runs"].items():
+            click.echo(f"verdict ({adm}): " + ", ".join(
+                f"{k}={'yes' if ok else 'NO'}" for k, ok in r["verdict"].items()))
     else:
         v = out["verdict"]
         click.echo(f"{out['requests']} requests in {out['seconds']:.0f} s ({out['req_per_s']:.0f} req/s); "

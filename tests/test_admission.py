@@ -279,3 +279,18 @@ def test_device_bytes_metrics_match_info_after_serving(tmp_path, ndirs):
         assert reg.get_sample_value("vllm:kvstore_device_bytes_written_total", labels) == want
         assert reg.get_sample_value("vllm:kvstore_device_bytes_read_total", labels) == want
         assert devs[d]["bytes_written"] == want and devs[d]["bytes_read"] == want
+
+
+def test_soak_bench_compares_admission_on_the_same_workload():
+    from kvstore.bench import soak_bench
+    out = soak_bench.compare_admission(requests=48, interval=48, out=lambda *a: None)
+    off, on = out["runs"]["always"], out["runs"]["second_sight"]
+    assert off["admission"] == "always" and on["admission"] == "second_sight"
+    assert off["prompt_tokens"] == on["prompt_tokens"] > 0          # the same workload
+    assert off["rejected_blocks"] == 0 and on["rejected_blocks"] > 0
+    assert 0 < on["bytes_written"] < off["bytes_written"]
+    assert off["bytes_written"] >= off["stored_blocks"] * SLOT
+    assert out["bytes_written_ratio"] == on["bytes_written"] / off["bytes_written"]
+    assert 0 <= on["disk_hit_rate"] <= 1 and 0 < off["disk_hit_rate"] <= 1
+    for r in (off, on):
+        assert r["verdict"]["no_mismatch"] and r["verdict"]["pins_zero"]

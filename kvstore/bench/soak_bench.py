@@ -5,6 +5,10 @@ kvstore connector), with a store far smaller than the working set so eviction ne
 stops. Prints, at intervals: requests/s, resident memory, open fds, pinned slots, store
 usage and evictions. Verdict at the end: memory and fds flat (growth under a threshold
 after warm-up), pins back to zero, no mismatched block.
+
+`compare_admission` runs the same workload (same seed) twice, with `admission` "always"
+and "second_sight" (issue 15, wear accounting), and reports bytes written to the store,
+blocks stored and the disk hit rate of each side by side.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ def _fds() -> int:
 
 
 def run(requests: int = 20000, interval: int = 2000, capacity: str = "16M", batch: int = 16,
-        seed: int = 11, out=print) -> dict:
+        seed: int = 11, out=print, admission: str = "always",
+        admission_window: int | None = None) -> dict:
     from kvstore.testing import EngineHarness
     rng = random.Random(seed)
     docs = [[rng.randrange(10, 30000) for _ in range(rng.randrange(64, 512))] for _ in range(400)]
@@ -32,7 +37,10 @@ def run(requests: int = 20000, interval: int = 2000, capacity: str = "16M", batc
         cfg = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.vllm",
                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                "kv_connector_extra_config": {"path": os.path.join(d, "store"), "capacity": capacity,
-                                             "staging": "16M"}}
+                                             "staging": "16M", "admission": admission}}
+        if admission_window is not None:
+            cfg["kv_connector_extra_config"]["admission_window"] = admission_window
+        prompt_tokens = 0
         samples = []
         with EngineHarness(kv_transfer_config=cfg, num_layers=2, num_kv_heads=2, head_dim=16,
                            block_size=16, num_gpu_blocks=128, max_num_batched_tokens=1024,
@@ -49,6 +57,7 @@ def run(requests: int = 20000, interval: int = 2000, capacity: str = "16M", batc
                 for _ in range(n):
                     doc = rng.choice(docs)
                     prompts.append(doc + [rng.randrange(10, 30000) for _ in range(rng.randrange(1, 32))])
+                prompt_tokens += sum(len(p) for p in prompts)
                 h.run(prompts, max_tokens=2)
                 h.forget_finished()
                 done += n
@@ -69,6 +78,18 @@ def run(requests: int = 20000, interval: int = 2000, capacity: str = "16M", batc
             h.assert_no_leaks()
             final_pins = sidx.pinned_slots
             elapsed = time.perf_counter() - t0
+            # Wear: bytes every rank wrote to (read from) the store's devices (RankIO's
+            # per-device counters, as the connector metrics export them).
+            written = sum(int(c.worker.io.io_bytes[:, 1].sum()) for c in h.worker_connectors)
+            read = sum(int(c.worker.io.io_bytes[:, 0].sum()) for c in h.worker_connectors)
+            sched = h.scheduler_connector.scheduler
+            wear = {"admission": admission, "bytes_written": written, "bytes_read": read,
+                    "stored_blocks": sched.stored_blocks_total,
+                    "prompt_tokens": prompt_tokens,
+                    "disk_hit_tokens": h.stats["external_hit_tokens"],
+                    "gpu_hit_tokens": h.stats["local_hit_tokens"],
+                    "disk_hit_rate": h.stats["external_hit_tokens"] / max(1, prompt_tokens),
+                    "rejected_blocks": sched._admission.rejected if sched._admission else 0}
     warm = samples[len(samples) // 2:] if len(samples) >= 2 else samples
     rss_growth = warm[-1]["rss_mb"] - warm[0]["rss_mb"] if warm else 0.0
     fd_growth = warm[-1]["fds"] - warm[0]["fds"] if warm else 0
@@ -79,7 +100,30 @@ def run(requests: int = 20000, interval: int = 2000, capacity: str = "16M", batc
         "no_mismatch": samples[-1]["mismatched"] == 0,
         "evicting": samples[-1]["evictions"] > 0,
     }
-    return {"requests": requests, "seconds": elapsed, "req_per_s": requests / elapsed,
+    return {"requests": requests, "seconds": elapsed, "req_per_s": requests / elapsed, **wear,
             "samples": samples, "rss_growth_mb_second_half": rss_growth,
             "fd_growth_second_half": fd_growth, "final_pinned": final_pins, "verdict": verdict,
             "ok": all(verdict.values())}
+
+
+def compare_admission(requests: int = 4000, interval: int = 2000, capacity: str = "16M",
+                      seed: int = 11, admission_window: int | None = None, out=print) -> dict:
+    """The soak twice over the same workload (same seed): admission "always", then
+    "second_sight". Both must pass the soak verdict."""
+    runs = {}
+    for adm in ("always", "second_sight"):
+        out(f"-- admission {adm}")
+        runs[adm] = run(requests=requests, interval=interval, capacity=capacity, seed=seed,
+                        out=out, admission=adm, admission_window=admission_window)
+    off, on = runs["always"], runs["second_sight"]
+    out("")
+    out(f"{'admission':>13} {'written MiB':>11} {'stored':>7} {'rejected':>8} "
+        f"{'disk hit':>8} {'GPU hit':>7} {'req/s':>6}")
+    for adm, r in runs.items():
+        out(f"{adm:>13} {r['bytes_written'] / 2**20:>11.1f} {r['stored_blocks']:>7} "
+            f"{r['rejected_blocks']:>8} {100 * r['disk_hit_rate']:>7.1f}% "
+            f"{100 * r['gpu_hit_tokens'] / max(1, r['prompt_tokens']):>6.1f}% {r['req_per_s']:>6.0f}")
+    return {"requests": requests, "seed": seed, "capacity": capacity, "runs": runs,
+            "bytes_written_ratio": on["bytes_written"] / max(1, off["bytes_written"]),
+            "disk_hit_rate_delta": on["disk_hit_rate"] - off["disk_hit_rate"],
+            "ok": off["ok"] and on["ok"]}
