@@ -315,7 +315,7 @@ def _phases(common: dict, prompts: list, index_thread: bool) -> dict:
     return out
 
 
-def run(index_entries: int = 1_000_000, requests: int = 96, prompt_tokens: int = 8192,
+def run(index_entries: int = 1_000_000, requests: int = 48, prompt_tokens: int = 8192,
         baseline: bool = True, workdir: str | None = None) -> dict:
     from kvstore.testing import EngineHarness
     tmp = tempfile.TemporaryDirectory(prefix="kvstore-bench-conn-", dir=workdir)
