@@ -22,19 +22,11 @@ LAYOUT = Layout(model="tiny-llama", dtype="float16", block_size=16, block_bytes=
                 num_kv_heads=2, head_dim=64, tp_size=2)
 LAYOUT1 = Layout(model="tiny-llama", dtype="float16", block_size=16, block_bytes=BB, num_layers=2,
                  num_kv_heads=2, head_dim=64, tp_size=1)
+from mount_util import loop_ext4
 
 
 def _loop_ext4(tmp_path, name: str, mib: int):
-    img = tmp_path / f"{name}.img"
-    mnt = tmp_path / name
-    mnt.mkdir()
-    with open(img, "wb") as f:
-        f.truncate(mib << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "nodiscard", str(img)], check=True, capture_output=True)
-    r = subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.fail(f"cannot loop-mount an ext4 image (needs root): {r.stderr}")
-    return mnt
+    return loop_ext4(tmp_path, name, mib)
 
 
 @pytest.fixture

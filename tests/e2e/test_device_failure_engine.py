@@ -20,18 +20,11 @@ import pytest
 
 from e2e_util import MAX_TOKENS, assert_same, info, wait_stored
 from kvstore.serving.client import Client
+from mount_util import loop_ext4
 
 
 def _loop_ext4(tmp_path, name: str, mib: int) -> str:
-    img, mnt = tmp_path / f"{name}.img", tmp_path / name
-    mnt.mkdir()
-    with open(img, "wb") as f:
-        f.truncate(mib << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "nodiscard", str(img)], check=True, capture_output=True)
-    r = subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.fail(f"cannot loop-mount an ext4 image (needs root): {r.stderr}")
-    return str(mnt)
+    return str(loop_ext4(tmp_path, name, mib))
 
 
 @pytest.fixture
