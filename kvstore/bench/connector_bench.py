@@ -146,18 +146,8 @@ class _StepTimer:
         if len(h.worker_connectors) == 1:
             wconn = h.worker_connectors[0]
             for name in WORKER_METHODS:
-                orig = getattr(wconn, name, None)
-                if orig is None:
-                    continue
-
-                def wtimed(*a, _orig=orig, **kw):
-                    t = time.perf_counter_ns()
-                    try:
-                        return _orig(*a, **kw)
-                    finally:
-                        if self._cur is not None:
-                            self._cur[7] += time.perf_counter_ns() - t
-                setattr(wconn, name, wtimed)
+                if getattr(wconn, name, None) is not None:
+                    self._add_wall(wconn, name, 7)
         sched = h.scheduler
         orig_schedule = sched.schedule
 
@@ -172,16 +162,20 @@ class _StepTimer:
             self._cur[1] = so.total_num_scheduled_tokens > 0
             return so
         sched.schedule = schedule
-        orig_update = sched.update_from_output
+        self._add_wall(sched, "update_from_output", 5)
 
-        def update_from_output(*a, **kw):
+    def _add_wall(self, obj, name: str, field: int) -> None:
+        """Wrap obj.name so its wall time adds to the current step's `field`."""
+        orig = getattr(obj, name)
+
+        def timed(*a, **kw):
             t = time.perf_counter_ns()
             try:
-                return orig_update(*a, **kw)
+                return orig(*a, **kw)
             finally:
                 if self._cur is not None:
-                    self._cur[5] += time.perf_counter_ns() - t
-        sched.update_from_output = update_from_output
+                    self._cur[field] += time.perf_counter_ns() - t
+        setattr(obj, name, timed)
 
     def _on_gc(self, phase, info):
         if threading.get_ident() != self._thread:
