@@ -8,6 +8,7 @@ its own e2fsck-style codes).
 from __future__ import annotations
 
 import json
+import os
 import logging
 import sys
 
@@ -285,14 +286,20 @@ def bench_connector(index_entries, requests, prompt_tokens, baseline, directory,
                     as_json):
     """Connector time on vLLM's scheduler thread per step (p50/p99/max), store and load phases."""
     from kvstore.bench import connector_bench
+    if plot_path and not os.path.isdir(os.path.dirname(os.path.abspath(plot_path))):
+        _fail(f"--plot {plot_path}: its directory does not exist (create it, or name another "
+              "file); nothing was run")
     try:
         out = connector_bench.run(index_entries=index_entries, requests=requests,
                                   prompt_tokens=prompt_tokens, baseline=baseline, workdir=directory)
     except (KVStoreError, OSError) as exc:
         _fail(exc)
-    if plot_path:
-        connector_bench.plot(out, plot_path)
     click.echo(json.dumps(out, indent=2) if as_json else connector_bench.format_table(out))
+    if plot_path:
+        try:    # the numbers are out already: a plot that cannot be written loses nothing
+            connector_bench.plot(out, plot_path)
+        except OSError as exc:
+            _fail(f"--plot {plot_path}: cannot write the chart ({exc}); the results are above")
 
 
 @bench.command("ttft")
