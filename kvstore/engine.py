@@ -28,6 +28,7 @@ import numpy as np
 from kvstore._slotfile import SlotFile
 from kvstore.errors import ConfigError, KVStoreError, StoreLocked, StoreNotFound
 from kvstore.index import Entry, Index
+from kvstore.shared import Lease, StoreLock
 from kvstore.layout import (
     Layout, StoreGeometry, check_data_dirs, check_layout, device_dirs, format_size,
     normalize_data_dirs, parse_size, read_fingerprint, write_fingerprint,
@@ -276,52 +277,35 @@ def _check_free_space(path: str, dirs: list[str], geo: StoreGeometry, tp_size: i
 
 
 class WriterLock:
-    """flock on STORE/LOCK; the holder's pid is written into the file for messages."""
+    """The exclusive store lock of an offline repair (`kvstore fsck --repair`): refused
+    while any engine is attached (StoreLocked naming one), and no engine attaches while it
+    is held. `holder()` names an attached engine's pid, or None."""
 
     def __init__(self, store_dir: str):
-        self.path = os.path.join(store_dir, "LOCK")
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise KVStoreError(f"refusing {self.path}: it is a symlink (kvstore never follows "
-                                   "symlinks inside a store; remove it)") from None
-            raise
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = self.holder(store_dir)
-            os.close(fd)
-            raise StoreLocked(
-                f"store {store_dir} is in use by another writer (pid {pid}); stop that process, "
-                "or open the store read-only (kvstore info/fsck do)", pid=pid) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.fd = fd
+        self._lock = StoreLock(store_dir, exclusive=True)
 
     @staticmethod
     def holder(store_dir: str) -> int | None:
-        """pid of the current writer, or None when nobody holds the lock."""
-        path = os.path.join(store_dir, "LOCK")
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raw = os.pread(fd, 32, 0).strip()
-                return int(raw) if raw.isdigit() else -1
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return None
-        finally:
-            os.close(fd)
+        pids = StoreLock.holders(store_dir)
+        return pids[0] if pids else None
 
     def release(self):
-        if self.fd is not None:
-            os.close(self.fd)  # closing drops the flock
-            self.fd = None
+        self._lock.release()
+
+
+class _SharedClaim:
+    """`Index.reserve`'s pinned set for a store shared with other engines: a slot is
+    refused when this process pins it, or when clearing its shared generation finds
+    another engine pinning it (`SharedMap.try_clear`)."""
+
+    def __init__(self, own, lease):
+        self.own, self.slots, self.peers = own, lease.slots, lease.peers()
+
+    def __contains__(self, s) -> bool:
+        return s in self.own or not self.slots.try_clear(s, self.peers)
+
+    def __len__(self) -> int:
+        return len(self.own)
 
 
 class DiskStore:
@@ -329,8 +313,10 @@ class DiskStore:
 
     `DiskStore.create(path, layout, capacity)` makes a new store; `DiskStore(path, layout)`
     opens one and refuses it with LayoutMismatch naming the differing field. Exactly one
-    writer (flock on LOCK; a second gets StoreLocked with the holder's pid) and any number
-    of `readonly=True` openers. With `io=True` the store also opens a RankIO per rank so
+    writer per process; any number of engine processes attach to one store together
+    (`kvstore.shared`: a shared flock on LOCK and a lease each; `exclusive=True` is an
+    offline repair's open, refused while any engine is attached) and any number of
+    `readonly=True` openers. With `io=True` the store also opens a RankIO per rank so
     that `put`/`get` work (tools, tests, benchmarks); the vLLM scheduler uses io=False and
     its workers use RankIO directly.
 
@@ -340,11 +326,13 @@ class DiskStore:
 
     def __init__(self, path: str, layout: Layout | None = None, *, readonly: bool = False,
                  io: bool = False, io_mode: str = "direct", queue_depth: int = 32,
-                 staging_bytes: int = 64 << 20, sync: bool = True, data_dirs=None):
+                 staging_bytes: int = 64 << 20, sync: bool = True, data_dirs=None,
+                 exclusive: bool = False, kind: str = "engine"):
         _check_choice("io_mode", io_mode, IO_MODES)
         self.path = os.path.abspath(path)
         self.readonly = readonly
         self._lock = None
+        self.lease: Lease | None = None
         self.index = None
         self.ranks: list[RankIO] = []
         self._pins: Counter = Counter()
@@ -356,17 +344,18 @@ class DiskStore:
         self.data_dirs = device_dirs(self.path, self.fingerprint)
         try:
             if not readonly:
-                self._lock = WriterLock(self.path)
+                self._lock = StoreLock(self.path, exclusive=exclusive)
             idx = os.path.join(self.path, "index")
             if not os.path.isdir(idx):
                 from kvstore.errors import CorruptIndex
                 raise CorruptIndex(f"store {self.path} has no index/ directory; rebuild it from the "
                                    "slot headers with `kvstore fsck --rebuild-index`")
             self.index = Index(idx, self.geometry.num_slots, readonly=readonly, sync=sync)
-            if not readonly:
-                reclaimed = self.index.reclaim_reserved()
-                if reclaimed:
-                    log.info("reclaimed %d slots reserved by a previous run that never committed", reclaimed)
+            if not readonly and exclusive:
+                self._reclaim(None)
+            elif not readonly:
+                self.lease = Lease(self.path, self.geometry.num_slots, self._reclaim, kind=kind)
+                self.index.owner = self.lease.owner
                 # fenced (failed) devices: no reservation or commit of this writer uses them
                 self.index.set_devices(self.geometry.num_devices)
             if io:
@@ -376,6 +365,22 @@ class DiskStore:
         except BaseException:
             self.close()
             raise
+
+    def _reclaim(self, owner: bytes | None) -> None:
+        """Reservations nobody will commit: a dead engine's (owner), or with None every
+        one (this process is the only one attached: a previous run's crash)."""
+        if owner is None:
+            n = self.index.reclaim_reserved()
+            if n:
+                log.info("reclaimed %d slots reserved by a previous run that never committed", n)
+        else:
+            self.index.reclaim_owner(owner)
+
+    @property
+    def shared_slots(self):
+        """The store's shared slot generations (`kvstore.shared`), or None (read-only,
+        exclusive)."""
+        return self.lease.slots if self.lease is not None else None
 
     @classmethod
     def create(cls, path: str, layout: Layout, capacity, *, exist_ok: bool = False,
@@ -462,6 +467,9 @@ class DiskStore:
                 index, self.index = self.index, None
                 index.close()
         finally:
+            if self.lease is not None:
+                self.lease.close()
+                self.lease = None
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
@@ -514,12 +522,19 @@ class DiskStore:
 
     def reserve(self, keys: Sequence[bytes]) -> tuple[list[SlotRef], list[Entry]]:
         """Reserve one slot per new key, evicting LRU unpinned entries; StoreFull if impossible."""
-        items, evicted = self._writable().reserve(list(keys), self._pins.keys())
+        pinned = self._pins.keys() if self.lease is None else _SharedClaim(self._pins.keys(), self.lease)
+        items, evicted = self._writable().reserve(list(keys), pinned)
         return [SlotRef(k, s, g) for k, s, g in items], evicted
 
     def commit(self, refs: Sequence[SlotRef]) -> None:
         """Point keys at their (durably written) slots, in one transaction."""
-        self._writable().commit([(r.key, r.slot, r.generation) for r in refs])
+        items = [(r.key, r.slot, r.generation) for r in refs]
+        dups: list = []
+        skipped = self._writable().commit(items, dups_out=dups)
+        if self.lease is not None:      # other engines' lookups check hits against these
+            out = set(skipped) | {k for k, _, _ in dups}
+            live = [x for x in items if x not in out and x[0] not in out]
+            self.lease.slots.publish([x[1] for x in live], [x[2] for x in live])
 
     def abort(self, refs: Sequence[SlotRef]) -> None:
         """Give reserved slots back (the write failed or was cancelled)."""
@@ -532,7 +547,10 @@ class DiskStore:
 
     def drop(self, keys: Sequence[bytes]) -> list[Entry]:
         """Remove entries (e.g. a slot that failed verification); their slots become free."""
-        return self._writable().drop(list(keys))
+        gone = self._writable().drop(list(keys))
+        if self.lease is not None and gone:
+            self.lease.slots.retract([e.slot for e in gone])
+        return gone
 
     def count_hits(self, hits: int, misses: int) -> None:
         if not self.readonly:

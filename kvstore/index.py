@@ -15,6 +15,7 @@ db           key                         value
 ``free``     slot u32 BE                 empty (only slots given back)
 ``reserved`` slot u32 BE                 generation u64 LE + key bytes
 ``meta``     counter name                u64 LE
+``owned``    owner id (12 B) + slot BE   empty (the engine holding a reservation)
 ===========  ==========================  =====================================
 
 Every slot is in exactly one of three states: *used* (a row in keys/slots/lru), *free*
@@ -22,9 +23,12 @@ Every slot is in exactly one of three states: *used* (a row in keys/slots/lru), 
 O(1)) or *reserved* (a row in ``reserved``: handed to an in-flight store, not yet
 committed). ``used + free + reserved == capacity`` always; `check_consistency` verifies it.
 
-Single writer: the scheduler process (the store's LOCK file guarantees that; this module does
-not). Any number of readonly openers (tools) may run in other processes at the same time.
-Pins live in the caller's memory and are passed to `Index.reserve`.
+Several writers: every engine attached to the store (`kvstore.shared`) writes through its
+own `Index`; LMDB serializes their write transactions. A reservation made with `owner` set
+is also a row of ``owned``, so the survivors give a dead engine's reservations back
+(`reclaim_owner`). Any number of readonly openers (tools) may run at the same time.
+Pins live in the engines' memory (shared maps) and are passed to `Index.reserve` or checked
+by `reserve_pool`'s claim.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ _U64 = struct.Struct("<Q")      # meta counters, reservation generation
 _LRU = struct.Struct(">QI")     # tick then slot: ordered by age, unique per slot
 _VAL = struct.Struct("<IQQ")    # keys-db value: slot, generation, tick
 
-_DB_NAMES = (b"keys", b"slots", b"lru", b"free", b"reserved", b"meta")
+_DB_NAMES = (b"keys", b"slots", b"lru", b"free", b"reserved", b"meta", b"owned")
 _COUNTERS = (b"capacity", b"high_water", b"tick", b"generation", b"hits", b"misses",
              b"evictions", b"duplicates", b"stale_commits", b"format")
 
@@ -164,6 +168,9 @@ class Index:
         # that found the list exhausted).
         self._free_epoch = 0
         self._free_dry = -1
+        # The engine (`kvstore.shared.Lease.owner`) whose reservations this handle makes:
+        # each one is also a row of `owned`, so survivors can give them back if it dies.
+        self.owner: bytes | None = None
         data = os.path.join(self._path, "data.mdb")
         for p in (self._path, data, os.path.join(self._path, "lock.mdb")):
             # LMDB opens its files without O_NOFOLLOW: refuse links here, as every other
@@ -210,7 +217,11 @@ class Index:
     def _open_dbs(self, env: lmdb.Environment, fresh: bool, capacity: int | None) -> None:
         try:
             if self._readonly:
-                dbs = [env.open_db(n, create=False) for n in _DB_NAMES]
+                dbs = [env.open_db(n, create=False) for n in _DB_NAMES[:6]]
+                try:    # a store written before engines shared it has no `owned` db
+                    dbs.append(env.open_db(b"owned", create=False))
+                except lmdb.Error:
+                    dbs.append(None)
             else:
                 with env.begin(write=True) as txn:
                     dbs = [env.open_db(n, txn=txn, create=True) for n in _DB_NAMES]
@@ -223,7 +234,7 @@ class Index:
         except lmdb.Error as e:
             raise CorruptIndex(
                 f"index at {self._path} is missing its databases ({e}); {_REBUILD_HINT}") from e
-        self._keys, self._slots, self._lru, self._free, self._reserved, self._meta = dbs
+        self._keys, self._slots, self._lru, self._free, self._reserved, self._meta, self._owned = dbs
         with env.begin() as txn:
             raw_cap = txn.get(b"capacity", db=self._meta)
             raw_fmt = txn.get(b"format", db=self._meta)
@@ -568,7 +579,10 @@ class Index:
 
         Raises StoreFull, changing nothing, if not every key can get a slot.
         """
-        if not isinstance(pinned, (set, frozenset)):
+        if not hasattr(pinned, "__contains__") or not hasattr(pinned, "__len__"):
+            pinned = set(pinned)
+        elif not isinstance(pinned, (set, frozenset)) and hasattr(pinned, "__iter__") \
+                and not hasattr(pinned, "peers"):
             pinned = set(pinned)
         if self._fence[1]:
             pinned = _FencedOrPinned(pinned, *self._fence)
@@ -639,10 +653,13 @@ class Index:
                     f"blocks at once, or create the store with more capacity_slots")
         gen = self._get(txn, b"generation")
         rdb = self._reserved
+        owner = self.owner
         out = []
         for k, s in zip(todo, slots):
             gen += 1
             put(_U32.pack(s), _U64.pack(gen) + k, db=rdb)
+            if owner is not None:
+                put(owner + _U32.pack(s), b"", db=self._owned)
             out.append((k, s, gen))
         self._set(txn, b"generation", gen)
         self._set(txn, b"high_water", hw)
@@ -743,10 +760,13 @@ class Index:
                 evicted.append(_entry(k, s_, _VAL.unpack(v)[1], t))
                 slots.append(s_)
         gen = self._get(txn, b"generation")
+        owner = self.owner
         out = []
         for s_ in slots:
             gen += 1
             txn.put(_U32.pack(s_), _U64.pack(gen), db=self._reserved)
+            if owner is not None:
+                txn.put(owner + _U32.pack(s_), b"", db=self._owned)
             out.append((s_, gen))
         self._set(txn, b"generation", gen)
         self._set(txn, b"high_water", hw)
@@ -762,8 +782,8 @@ class Index:
             return table.load(txn.cursor(db=self._keys).iternext(keys=True, values=True))
 
     @_guard
-    def commit(self, items: Sequence[tuple[bytes, int, int]], *, sync: bool = True
-               ) -> list[tuple[bytes, int, int]]:
+    def commit(self, items: Sequence[tuple[bytes, int, int]], *, sync: bool = True,
+               dups_out: list | None = None) -> list[tuple[bytes, int, int]]:
         """Make reserved (key, slot, generation) items visible to lookups; one write txn.
 
         items[0] gets the most recent tick (a chain's head outlives its tail). An item whose
@@ -771,12 +791,14 @@ class Index:
         re-reserved since) is skipped and returned: its slot may hold someone else's data.
         If the key is already committed at another slot (two stores of the same block), the
         existing entry is kept and refreshed (a load may be reading it now) and the new slot
-        goes back to free. Returns the skipped items (empty when all went in).
+        goes back to free; with `dups_out` (a list) such a key's entry as it stands,
+        (key, slot, generation), is appended there (another engine stored it first).
+        Returns the skipped items (empty when all went in).
         sync=False leaves the fsync to a later `sync()` (a commit in several transactions).
         """
         if not items:
             return []
-        skipped, dups = self._write(self._commit_txn, items)
+        skipped, dups = self._write(self._commit_txn, items, dups_out)
         if dups or skipped:
             self._free_epoch += 1
         if sync and self._sync:
@@ -799,9 +821,12 @@ class Index:
         except lmdb.Error as exc:
             raise self._write_failed(exc, doing) from exc
 
-    def _commit_txn(self, txn, items):
+    def _commit_txn(self, txn, items, dups_out=None):
         get, put, delete = txn.get, txn.put, txn.delete
         kdb, sdb, ldb, rdb = self._keys, self._slots, self._lru, self._reserved
+        owner, odb = self.owner, self._owned
+        if dups_out is not None:
+            del dups_out[:]     # a retried transaction starts over
         tick = self._get(txn, b"tick")
         skipped = []
         dups = 0
@@ -818,6 +843,8 @@ class Index:
                 if r is not None and _U64.unpack_from(r)[0] == gen:
                     delete(sk, db=rdb)
                     put(sk, b"", db=self._free)
+                    if owner is not None:
+                        delete(owner + sk, db=odb)
                 skipped.append(item)
                 continue
             # a pool reservation (`reserve_pool`) has no key yet: only its generation counts
@@ -825,6 +852,8 @@ class Index:
                 skipped.append(item)
                 continue
             delete(sk, db=rdb)
+            if owner is not None:
+                delete(owner + sk, db=odb)
             tick += 1
             old = get(key, db=kdb)
             if old is None:
@@ -838,6 +867,8 @@ class Index:
                 put(key, _VAL.pack(os_, og, tick), db=kdb)
                 put(sk, b"", db=self._free)
                 dups += 1
+                if dups_out is not None:
+                    dups_out.append((key, os_, og))
         self._set(txn, b"tick", tick)
         if dups:
             self._add(txn, b"duplicates", dups)
@@ -870,6 +901,8 @@ class Index:
                     continue
                 txn.delete(sk, db=rdb)
             txn.put(sk, b"", db=fdb)
+            if self.owner is not None:
+                txn.delete(self.owner + sk, db=self._owned)
             n += 1
         return n
 
@@ -885,7 +918,44 @@ class Index:
         if slots:
             txn.cursor(db=self._free).putmulti(((sk, b"") for sk in slots))
             txn.drop(self._reserved, delete=False)
+        if self._owned is not None:
+            txn.drop(self._owned, delete=False)
         return len(slots)
+
+    @_guard
+    def reclaim_owner(self, owner: bytes) -> int:
+        """A dead engine's reservations go back to free (its `owned` rows, and the
+        reservations they name when still standing). Returns how many were released."""
+        self._free_epoch += 1
+        return self._write(self._reclaim_owner_txn, owner)
+
+    def _reclaim_owner_txn(self, txn, owner):
+        odb, rdb, fdb = self._owned, self._reserved, self._free
+        cur = txn.cursor(db=odb)
+        rows = []
+        ok = cur.set_range(owner)
+        while ok and cur.key()[:len(owner)] == owner:
+            rows.append(bytes(cur.key()))
+            ok = cur.next()
+        n = 0
+        for row in rows:
+            sk = row[len(owner):]
+            txn.delete(row, db=odb)
+            if txn.pop(sk, db=rdb) is not None:
+                txn.put(sk, b"", db=fdb)
+                n += 1
+        return n
+
+    @_guard
+    def owned_counts(self) -> dict[bytes, int]:
+        """{owner id: reservations it holds} (for `kvstore info`)."""
+        out: Counter = Counter()
+        if self._owned is None:
+            return {}
+        with self._read() as txn:
+            for k in txn.cursor(db=self._owned).iternext(keys=True, values=False):
+                out[bytes(k[:12])] += 1
+        return dict(out)
 
     @_guard
     def touch(self, keys: Sequence[bytes]) -> None:

@@ -147,13 +147,19 @@ def test_layout_mismatch_names_field(store, tmp_path):
         assert ei.value.field == field
 
 
-def test_second_writer_refused_with_pid_and_readonly_allowed(store):
+def test_second_engine_attaches_and_exclusive_open_is_refused_with_pid(store):
+    """Engine processes share a store (issue 16): a second one attaches and reads what the
+    first stored; an offline repair's exclusive open is refused, naming an engine's pid."""
     code = textwrap.dedent(f"""
         import sys
         from kvstore.engine import DiskStore
         from kvstore import StoreLocked
+        st = DiskStore({store.path!r}, io=True)
+        print("ATTACHED", len(st.get([b"k00000", b"k00001"])))
+        st.put([b"other"], lambda i, r: bytes([7]) * {BB})
+        st.close()
         try:
-            DiskStore({store.path!r})
+            DiskStore({store.path!r}, exclusive=True)
         except StoreLocked as e:
             print("LOCKED", e.pid)
         ro = DiskStore({store.path!r}, readonly=True, io=True)
@@ -162,9 +168,13 @@ def test_second_writer_refused_with_pid_and_readonly_allowed(store):
     """)
     store.put(keys(2), payload)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.getcwd())
+    assert "ATTACHED 2" in out.stdout, out.stderr
     assert f"LOCKED {os.getpid()}" in out.stdout, out.stderr
-    assert "RO 2 2" in out.stdout, out.stderr
-    # In this process too, a second writer handle is refused.
+    assert "RO 3 2" in out.stdout, out.stderr
+    # what the other engine stored is found here too, and its reservations are gone
+    assert store.get([b"other"])[b"other"][0] == bytes([7]) * BB
+    assert store.index.owned_counts() == {}
+    # In this process, a second handle is refused (LMDB allows one per process).
     with pytest.raises((StoreLocked, KVStoreError)):
         DiskStore(store.path)
 

@@ -11,6 +11,17 @@
 # The table also holds the pins: a count per slot (a C array of the store's capacity, 4
 # bytes a slot), so a lookup pins its hit in the same C call that finds it and the index
 # thread's eviction claim checks pins without a Python object per slot.
+#
+# Several engines on one store (issue 16): each engine keeps its own table, and shares
+# two things with the others through files mapped MAP_SHARED (`SharedMap`): its pin counts
+# (its lease file, read by the other engines' eviction claims) and the store's per-slot
+# generation array (STORE/engines/slots: the generation of the entry a slot holds, 0 when
+# none). A hit is valid only while its slot still holds its generation; a lookup pins, then
+# (after a full fence) checks the generation, and an eviction clears the generation, then
+# (after a full fence) checks every engine's pins: of two such races, one side always sees
+# the other (Dekker's pattern), so no engine evicts a slot another is about to load, and
+# no engine loads a slot another has taken. A table entry whose slot moved on is dropped
+# where a lookup meets it, or by `sweep`.
 from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset, memcpy
@@ -30,8 +41,25 @@ cdef extern from "<sys/mman.h>" nogil:
     void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
     int munmap(void *addr, size_t length)
     int madvise(void *addr, size_t length, int advice)
-    int PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_ANONYMOUS, MADV_HUGEPAGE
+    int PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_SHARED, MAP_ANONYMOUS, MADV_HUGEPAGE
     void *MAP_FAILED
+
+cdef extern from "<errno.h>" nogil:
+    int errno
+
+cdef extern from *:
+    """
+    #define KT_LOAD64(p) __atomic_load_n((p), __ATOMIC_SEQ_CST)
+    #define KT_STORE64(p, v) __atomic_store_n((p), (v), __ATOMIC_SEQ_CST)
+    #define KT_ADD64(p, v) __atomic_add_fetch((p), (v), __ATOMIC_SEQ_CST)
+    #define KT_LOAD32(p) __atomic_load_n((p), __ATOMIC_SEQ_CST)
+    #define KT_FENCE() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+    """
+    uint64_t KT_LOAD64(uint64_t *p) nogil
+    void KT_STORE64(uint64_t *p, uint64_t v) nogil
+    uint64_t KT_ADD64(uint64_t *p, uint64_t v) nogil
+    uint32_t KT_LOAD32(uint32_t *p) nogil
+    void KT_FENCE() nogil
 
 cdef extern from *:
     """
@@ -40,6 +68,8 @@ cdef extern from *:
     void KT_PREFETCH(const void *p) nogil
 
 DEF BATCH = 32
+DEF SHARED_HDR = 4096   # bytes before the array in a SharedMap file
+DEF MAX_PEERS = 256
 DEF KEY_MAX = 68     # a vLLM block hash (32 bytes for sha256; up to 64) + 4-byte group id
 
 
@@ -52,6 +82,151 @@ cdef struct Bucket:
 
 cdef inline void _fingerprint(bytes key, uint64_t *fp, uint32_t *fp2):
     _fingerprint_raw(<const unsigned char *>PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), fp, fp2)
+
+
+cdef class SharedMap:
+    """A file mapped MAP_SHARED, for state that several engine processes share: the
+    store's slot generations (STORE/engines/slots: a 4096-byte header of u64 words, then a
+    u64 per slot) and each engine's pin counts (its lease file: the header, then a u32 per
+    slot). Word access is atomic (sequentially consistent)."""
+    cdef char *p
+    cdef readonly size_t nbytes
+    cdef readonly bint writable
+
+    def __cinit__(self, int fd, size_t nbytes, bint writable=True):
+        self.p = NULL
+        if nbytes < SHARED_HDR:
+            raise ValueError(f"SharedMap: {nbytes} bytes is less than the header")
+        cdef void *q = mmap(NULL, nbytes, PROT_READ | (PROT_WRITE if writable else 0),
+                            MAP_SHARED, fd, 0)
+        if q == MAP_FAILED:
+            import os
+            raise OSError(errno, f"mmap of {nbytes} bytes failed: {os.strerror(errno)}")
+        self.p = <char *>q
+        self.nbytes = nbytes
+        self.writable = writable
+
+    def __dealloc__(self):
+        if self.p != NULL:
+            munmap(self.p, self.nbytes)
+            self.p = NULL
+
+    cdef inline uint64_t *_word(self, size_t i) except NULL:
+        if self.p == NULL:
+            raise ValueError("SharedMap is closed")
+        if i >= SHARED_HDR // 8:
+            raise IndexError(f"header word {i} out of range")
+        return <uint64_t *>(self.p + i * 8)
+
+    def load(self, size_t i):
+        """Header word i (atomic)."""
+        return KT_LOAD64(self._word(i))
+
+    def store(self, size_t i, uint64_t v):
+        if not self.writable:
+            raise ValueError("SharedMap is read-only")
+        KT_STORE64(self._word(i), v)
+
+    def add(self, size_t i, uint64_t d=1):
+        """Atomically add d to header word i; returns the new value."""
+        if not self.writable:
+            raise ValueError("SharedMap is read-only")
+        return KT_ADD64(self._word(i), d)
+
+    cdef inline uint64_t *_gens(self, Py_ssize_t n) except NULL:
+        if self.p == NULL:
+            raise ValueError("SharedMap is closed")
+        if SHARED_HDR + <size_t>n * 8 > self.nbytes:
+            raise IndexError("slot out of the map")
+        return <uint64_t *>(self.p + SHARED_HDR)
+
+    def publish(self, list slots, list gens):
+        """Slot generations (a slots map): slots[j] holds generation gens[j] from now on."""
+        if not self.writable:
+            raise ValueError("SharedMap is read-only")
+        cdef Py_ssize_t j, n = len(slots)
+        cdef uint64_t *g
+        if len(gens) != n:
+            raise ValueError("publish: slots and gens differ in length")
+        cdef uint64_t cap = (self.nbytes - SHARED_HDR) // 8
+        for j in range(n):
+            if <uint64_t>slots[j] >= cap:
+                raise IndexError(f"slot {slots[j]} out of the map")
+        g = self._gens(0)
+        for j in range(n):
+            KT_STORE64(&g[<uint64_t>slots[j]], <uint64_t>gens[j])
+
+    def retract(self, list slots):
+        """Slot generations: slots[j] holds nothing any more."""
+        self.publish(slots, [0] * len(slots))
+
+    def generation(self, uint64_t slot):
+        cdef uint64_t cap = (self.nbytes - SHARED_HDR) // 8
+        if slot >= cap:
+            raise IndexError(f"slot {slot} out of the map")
+        return KT_LOAD64(&self._gens(0)[slot])
+
+    def clear_array(self):
+        """Zero everything after the header (a slots map being rebuilt)."""
+        if not self.writable:
+            raise ValueError("SharedMap is read-only")
+        memset(self.p + SHARED_HDR, 0, self.nbytes - SHARED_HDR)
+
+    def load_generations(self, rows, Py_ssize_t yield_every=65536, unsigned int yield_us=100):
+        """Publish every (key, value) row of the index's keys db (slot u32, generation
+        u64, ...); the GIL is released now and then as in KeyTable.load. Returns count."""
+        cdef uint64_t *g = self._gens(0)
+        cdef uint64_t cap = (self.nbytes - SHARED_HDR) // 8
+        cdef const unsigned char *v
+        cdef uint32_t slot
+        cdef uint64_t gen
+        cdef Py_ssize_t count = 0
+        cdef object k, val
+        cdef int j
+        for k, val in rows:
+            v = <const unsigned char *>PyBytes_AS_STRING(val)
+            slot = (<uint32_t>v[0]) | (<uint32_t>v[1] << 8) | (<uint32_t>v[2] << 16) | (<uint32_t>v[3] << 24)
+            gen = 0
+            for j in range(7, -1, -1):
+                gen = (gen << 8) | v[4 + j]
+            if slot < cap:
+                KT_STORE64(&g[slot], gen)
+            count += 1
+            if yield_every > 0 and count % yield_every == 0:
+                with nogil:
+                    usleep(yield_us)
+        return count
+
+    def try_clear(self, uint64_t slot, list peers):
+        """An eviction's claim outside a KeyTable (a slots map): clear the slot's
+        generation, then look at the other engines' pin maps; if one pins the slot, put
+        the generation back and return False (the slot must not be taken)."""
+        cdef uint64_t cap = (self.nbytes - SHARED_HDR) // 8
+        cdef SharedMap m
+        cdef uint64_t old
+        cdef uint64_t *g
+        if slot >= cap:
+            raise IndexError(f"slot {slot} out of the map")
+        g = self._gens(0)
+        old = KT_LOAD64(&g[slot])
+        KT_STORE64(&g[slot], 0)
+        for m in peers:
+            if SHARED_HDR + (slot + 1) * 4 <= m.nbytes and KT_LOAD32(<uint32_t *>(m.p + SHARED_HDR) + slot) != 0:
+                KT_STORE64(&g[slot], old)
+                return False
+        return True
+
+    def count_nonzero32(self):
+        """u32 counts after the header that are not 0 (a pin map: the slots it pins)."""
+        if self.p == NULL:
+            raise ValueError("SharedMap is closed")
+        cdef uint32_t *a = <uint32_t *>(self.p + SHARED_HDR)
+        cdef size_t i, n = (self.nbytes - SHARED_HDR) // 4, m = 0
+        with nogil:
+            for i in range(n):
+                if a[i] != 0:
+                    m += 1
+        return m
 
 
 cdef class KeyTable:
@@ -67,6 +242,13 @@ cdef class KeyTable:
     cdef Py_ssize_t n
     cdef uint32_t *pins         # pin count per slot, [0, capacity)
     cdef Py_ssize_t npinned     # slots whose count is > 0
+    cdef bint own_pins          # pins is ours (calloc) rather than a SharedMap's
+    cdef uint64_t *sgen         # the store's shared slot generations, or NULL
+    cdef uint64_t *shdr         # their map's header (word 3: 1 once the array is complete)
+    cdef uint32_t *peers[MAX_PEERS]   # the other engines' pin arrays
+    cdef int npeers
+    cdef object _maps           # keeps the SharedMaps above mapped
+    cdef readonly long long stale_dropped   # entries dropped because their slot moved on
 
     def __cinit__(self, Py_ssize_t capacity):
         if capacity < 1:
@@ -93,14 +275,111 @@ cdef class KeyTable:
         if self.pins == NULL:
             raise MemoryError(f"KeyTable: cannot allocate pin counts for {capacity} slots")
         self.npinned = 0
+        self.own_pins = True
+        self.sgen = NULL
+        self.shdr = NULL
+        self.npeers = 0
+        self._maps = ()
+        self.stale_dropped = 0
 
     def __dealloc__(self):
         if self.t != NULL:
             munmap(self.t, self.tbytes)
         self.t = NULL
-        if self.pins != NULL:
+        if self.pins != NULL and self.own_pins:
             free(self.pins)
         self.pins = NULL
+
+    # -- sharing the store with other engines (see the module notes) -------------------
+    def attach(self, SharedMap slots, SharedMap pins):
+        """Use the store's shared generation array (`slots`) and keep this engine's pin
+        counts in `pins` (its lease file, which other engines read). Pins taken so far
+        move there."""
+        if slots.nbytes < SHARED_HDR + <size_t>self.capacity * 8 or not slots.writable:
+            raise ValueError("KeyTable.attach: the slots map is smaller than the capacity")
+        if pins.nbytes < SHARED_HDR + <size_t>self.capacity * 4 or not pins.writable:
+            raise ValueError("KeyTable.attach: the pins map is smaller than the capacity")
+        cdef uint32_t *p = <uint32_t *>(pins.p + SHARED_HDR)
+        cdef Py_ssize_t v
+        for v in range(self.capacity):
+            p[v] = self.pins[v] if self.npinned else 0
+        if self.own_pins:
+            free(self.pins)
+        self.pins = p
+        self.own_pins = False
+        self.sgen = <uint64_t *>(slots.p + SHARED_HDR)
+        self.shdr = <uint64_t *>slots.p
+        self._maps = (slots, pins) + tuple(self._maps[2:])
+        self.set_peers(list(self._maps[2:]))
+
+    def set_peers(self, list maps):
+        """The other engines' pin maps (their lease files), read by `claim`."""
+        cdef SharedMap m
+        if len(maps) > MAX_PEERS:
+            raise ValueError(f"at most {MAX_PEERS} other engines on one store")
+        for m in maps:
+            if m.nbytes < SHARED_HDR + <size_t>self.capacity * 4:
+                raise ValueError("KeyTable.set_peers: a pin map is smaller than the capacity")
+        self.npeers = 0
+        for m in maps:
+            self.peers[self.npeers] = <uint32_t *>(m.p + SHARED_HDR)
+            self.npeers += 1
+        self._maps = tuple(self._maps[:2]) + tuple(maps)
+
+    @property
+    def peer_count(self):
+        return self.npeers
+
+    cdef inline bint _peer_pinned(self, uint32_t v) noexcept nogil:
+        cdef int j
+        for j in range(self.npeers):
+            if KT_LOAD32(&self.peers[j][v]) != 0:
+                return True
+        return False
+
+    @property
+    def validating(self):
+        """Hits are checked against the shared slot generations (attached, and the
+        array is complete)."""
+        return self._validating()
+
+    cdef inline bint _validating(self) noexcept nogil:
+        return self.sgen != NULL and KT_LOAD64(&self.shdr[3]) == 1
+
+    cdef inline bint _stale(self, uint32_t slot, uint64_t gen) noexcept nogil:
+        return KT_LOAD64(&self.sgen[slot]) != gen
+
+    def sweep(self):
+        """Drop every entry whose slot no longer holds its generation (another engine
+        evicted or dropped it). Returns the count."""
+        if not self._validating():
+            return 0
+        cdef uint64_t i, size = self.mask + 1, k = 0, m = 0
+        for i in range(size):
+            if self.t[i].fp != 0 and self.t[i].slot < self.capacity and self._stale(self.t[i].slot, self.t[i].gen):
+                m += 1
+        if m == 0:
+            return 0
+        cdef uint64_t *fps = <uint64_t *>calloc(<size_t>m, sizeof(uint64_t))
+        cdef uint32_t *fp2s = <uint32_t *>calloc(<size_t>m, sizeof(uint32_t))
+        cdef Py_ssize_t j
+        if fps == NULL or fp2s == NULL:
+            free(fps)
+            free(fp2s)
+            raise MemoryError("sweep: cannot allocate the removal list")
+        for i in range(size):
+            if k < m and self.t[i].fp != 0 and self.t[i].slot < self.capacity and self._stale(self.t[i].slot, self.t[i].gen):
+                fps[k] = self.t[i].fp
+                fp2s[k] = self.t[i].fp2
+                k += 1
+        for i in range(k):
+            j = self._find(fps[i], fp2s[i])
+            if j >= 0:
+                self._delete_at(<uint64_t>j)
+        free(fps)
+        free(fp2s)
+        self.stale_dropped += k
+        return k
 
     def __len__(self):
         return self.n
@@ -281,10 +560,37 @@ cdef class KeyTable:
                 i = self._find(fps[j], fp2s[j])
                 if i < 0:
                     return slots, gens
+                if self._validating() and self.t[i].slot < self.capacity and self._stale(self.t[i].slot, self.t[i].gen):
+                    self._delete_at(<uint64_t>i)
+                    self.stale_dropped += 1
+                    return slots, gens
                 slots.append(self.t[i].slot)
                 gens.append(self.t[i].gen)
             start = stop
         return slots, gens
+
+    def validate_pinned(self, list keys, list slots, list gens):
+        """After pinning a hit (keys, slots, gens): a full fence, then the longest prefix
+        whose slots still hold their generations. The rest is unpinned and its first
+        entry leaves the table. Returns the count kept."""
+        cdef Py_ssize_t n = len(slots), j, k
+        cdef uint32_t x
+        if n == 0 or not self._validating():
+            return n
+        for j in range(n):          # the generations' cache misses overlap
+            x = slots[j]
+            if x < self.capacity:
+                KT_PREFETCH(&self.sgen[x])
+        KT_FENCE()
+        for j in range(n):
+            x = slots[j]
+            if x >= self.capacity or KT_LOAD64(&self.sgen[x]) != <uint64_t>gens[j]:
+                for k in range(j, n):
+                    self._unpin_slot(slots[k])
+                self.remove(keys[j], x)
+                self.stale_dropped += 1
+                return j
+        return n
 
     def load(self, rows, Py_ssize_t yield_every=65536, unsigned int yield_us=100):
         """Insert every (key, value) of `rows`, value packed as the index's keys db row
@@ -366,7 +672,7 @@ cdef class KeyTable:
                 for j in range(e - b):
                     i = self._find(fps[cur][j], fp2s[cur][j])
                     if i < 0:
-                        return keys, slots, gens
+                        return self._checked(keys, slots, gens, pin)
                     x = self.t[i].slot
                     if pin and x >= self.capacity:
                         raise ValueError(f"slot {x} outside the table's capacity {self.capacity}")
@@ -389,6 +695,30 @@ cdef class KeyTable:
                     if self.pins[x] == 0:
                         self.npinned -= 1
             raise
+        return self._checked(keys, slots, gens, pin)
+
+    cdef tuple _checked(self, list keys, list slots, list gens, bint pin):
+        """A walk's hit, cut at its first entry whose slot moved on (sharing engines)."""
+        cdef Py_ssize_t n, j
+        cdef uint32_t x
+        if not slots or not self._validating():
+            return keys, slots, gens
+        if pin:
+            n = self.validate_pinned(keys, slots, gens)
+        else:
+            n = len(slots)
+            for j in range(n):
+                x = slots[j]
+                if x < self.capacity:
+                    KT_PREFETCH(&self.sgen[x])
+            for j in range(n):
+                if <uint32_t>slots[j] >= self.capacity or self._stale(<uint32_t>slots[j], <uint64_t>gens[j]):
+                    self.remove(keys[j], slots[j])
+                    self.stale_dropped += 1
+                    n = j
+                    break
+        if n < len(slots):
+            del keys[n:], slots[n:], gens[n:]
         return keys, slots, gens
 
     cdef int _hash_batch(self, list hashes, Py_ssize_t b, Py_ssize_t e, uint32_t group,
@@ -481,10 +811,19 @@ cdef class KeyTable:
         cdef uint64_t fp
         cdef uint32_t fp2
         cdef Py_ssize_t i
+        cdef uint64_t old
         for key, slot in cands:
             v = slot
             if 0 <= v < self.capacity and self.pins[v] != 0:
                 continue
+            if self.sgen != NULL and 0 <= v < self.capacity:
+                # clear the slot's generation, then look at the other engines' pins: a
+                # lookup that pinned it first is seen here; one that pins it later sees 0
+                old = KT_LOAD64(&self.sgen[v])
+                KT_STORE64(&self.sgen[v], 0)
+                if self._peer_pinned(<uint32_t>v):
+                    KT_STORE64(&self.sgen[v], old)
+                    continue
             if key is not None and ready:
                 _fingerprint(<bytes?>key, &fp, &fp2)
                 i = self._find(fp, fp2)
@@ -741,3 +1080,4 @@ cdef class SeenFilter:
 
     def clear(self):
         memset(self.t, 0, <size_t>(self.capacity * sizeof(uint64_t)))
+
