@@ -775,11 +775,16 @@ class Index:
         return out, evicted, exhausted
 
     @_guard
-    def load_keys(self, table) -> int:
+    def load_keys(self, table, slots=None) -> int:
         """Fill `table` (a `kvstore._keytable.KeyTable`) with every committed key -> (slot,
-        generation), from one read transaction. Returns the count."""
+        generation), from one read transaction; with `slots` (the store's shared slot
+        generations, `kvstore.shared`) publish every entry's generation there too, from
+        the same snapshot. Returns the count."""
         with self._read() as txn:
-            return table.load(txn.cursor(db=self._keys).iternext(keys=True, values=True))
+            n = table.load(txn.cursor(db=self._keys).iternext(keys=True, values=True))
+            if slots is not None:
+                slots.load_generations(txn.cursor(db=self._keys).iternext(keys=True, values=True))
+            return n
 
     @_guard
     def commit(self, items: Sequence[tuple[bytes, int, int]], *, sync: bool = True,

@@ -21,7 +21,16 @@ findable.
 
 While the table is being built at open (a few seconds at 10M entries, in the index
 thread), lookups go to LMDB through read transactions and the pool keeps the slots
-reserved at open. `SyncServingIndex` is the previous design (every operation on the
+reserved at open.
+
+A store shared with other engine processes (`kvstore.shared`): the table keeps this
+engine's view, the pins live in its lease file (the others' evictions read them), and the
+store's shared slot generations say which entries still stand: a hit whose slot moved on
+(another engine evicted or dropped it) is cut there and leaves the table. A lookup that
+misses in the table while other engines are attached asks LMDB for the rest of the prefix
+(one read transaction: what another engine stored becomes a hit here, and joins the
+table). The index thread also reclaims the reservations of engines that died (their
+lease lock is free), follows engines that come and go, and sweeps stale entries. `SyncServingIndex` is the previous design (every operation on the
 caller's thread, fsync included), kept as the baseline `kvstore bench connector` compares
 against (`index_thread: false`).
 """
@@ -47,6 +56,11 @@ log = logging.getLogger("kvstore.serving_index")
 # (`Index.pause`): the GIL is then free for the step thread, which would otherwise wait for
 # it up to the interpreter's switch interval (5 ms) while the index thread runs Python.
 _YIELD_S = 0.0001
+# A store shared with other engines: how often the index thread looks for engines that
+# came, went or died (reclaiming a dead one's reservations), and sweeps the table of
+# entries other engines evicted (a slice of the table per round).
+_PEERS_EVERY_S = 0.5
+_SWEEP_BUCKETS = 1 << 16
 
 
 @dataclass
@@ -76,6 +90,10 @@ class ServingIndex:
     """See the module docstring. Methods without a leading underscore are for the step
     thread; `_run` and the helpers it calls run on the index thread."""
 
+    lease = None        # the store's `kvstore.shared.Lease` (None: not shared, or the baseline)
+    reclaimed = 0
+    cross_hits = 0
+
     def __init__(self, store: DiskStore, *, pool_target: int = 1024, announce=None,
                  probe_devices: str | None = None):
         self.store = store
@@ -100,6 +118,15 @@ class ServingIndex:
         # The table also holds the pins (a count per slot, in C): a lookup pins its hit in
         # the walk that finds it, the eviction claim reads them without Python objects.
         self._table = KeyTable(self.capacity)
+        self.lease = getattr(store, "lease", None)
+        self._epoch = -1
+        self._next_peers = 0.0
+        self._sweep_at = 0
+        self.reclaimed = 0          # reservations of dead engines given back
+        self.cross_hits = 0         # blocks found in LMDB that another engine stored
+        if self.lease is not None:
+            self._table.attach(self.lease.slots, self.lease.pins)
+            self._follow_peers()
         self._ready = False
         # The pool: reserved (slot, generation) pairs, as two parallel lists (taken by
         # slicing: no per-slot Python work on the step thread).
@@ -148,6 +175,12 @@ class ServingIndex:
             slots, gens = self._table.prefix(keys)
             if slots:
                 self._table.pin(slots)
+                n = self._table.validate_pinned(keys[:len(slots)], slots, gens)
+                del slots[n:], gens[n:]
+            if len(slots) < len(keys) and self._shared_now():
+                more = self._peer_prefix(keys[len(slots):])
+                slots += more[1]
+                gens += more[2]
         return slots, gens
 
     def contains(self, key: bytes) -> bool:
@@ -167,7 +200,46 @@ class ServingIndex:
         if not self._ready:
             return self._lookup_hashes_lmdb(hashes, start, stop, group)
         with self._lock:    # found and pinned in one C walk
-            return self._table.prefix_of(hashes, start, stop, group, True)
+            keys, slots, gens = self._table.prefix_of(hashes, start, stop, group, True)
+            stop = min(stop, len(hashes))
+            if max(0, start) + len(keys) < stop and self._shared_now():
+                # other engines attached: what they stored may be in LMDB only
+                rest = [block_key(h, group) for h in hashes[max(0, start) + len(keys):stop]]
+                more = self._peer_prefix(rest)
+                if more[0]:
+                    keys += more[0]
+                    slots += more[1]
+                    gens += more[2]
+            return keys, slots, gens
+
+    def _peer_prefix(self, keys: list[bytes]) -> tuple[list, list, list]:
+        """The longest prefix of keys that LMDB has (other engines' stores), pinned and
+        checked against the shared slot generations; it joins the table. Called under
+        _lock, on a miss in the table while other engines are attached: one read
+        transaction, in chunks, so a plain miss costs one lookup."""
+        out_k, out_s, out_g = [], [], []
+        pos, chunk = 0, 1
+        while pos < len(keys):
+            part = keys[pos:pos + chunk]
+            entries = self.index.longest_prefix(part)
+            if not entries:
+                break
+            ks = [e.key for e in entries]
+            ss = [e.slot for e in entries]
+            gs = [e.generation for e in entries]
+            self._table.pin(ss)
+            n = self._table.validate_pinned(ks, ss, gs)
+            out_k += ks[:n]
+            out_s += ss[:n]
+            out_g += gs[:n]
+            if n < len(entries) or len(entries) < len(part):
+                break
+            pos += chunk
+            chunk = min(chunk * 8, 512)
+        if out_k:
+            self._table.put_many(out_k, out_s, out_g)
+            self.cross_hits += len(out_k)
+        return out_k, out_s, out_g
 
     def present(self, hashes: list, start: int, stop: int, group: int = 0) -> bytes:
         """A flag per block start..stop: its key is stored (not pinned; see lookup_hashes)."""
@@ -342,6 +414,8 @@ class ServingIndex:
 
     def _fence(self, dev: int, reason: str, removed: list[int]) -> None:
         dropped = self.index.fence_device(dev, self.ndev, reason)
+        if self.lease is not None and dropped:
+            self.lease.slots.retract([e.slot for e in dropped])
         removed = removed + self._purge_pool(dev)   # a refill that ran before the fence
         if removed:
             self.index.abort(removed)
@@ -420,7 +494,11 @@ class ServingIndex:
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
-            self.index.load_keys(self._table)
+            first = self.lease is not None and self.lease.first
+            self.index.load_keys(self._table, self.lease.slots if first else None)
+            if first:   # the shared slot generations are complete: hits are checked
+                from kvstore.shared import W_VALID
+                self.lease.slots.store(W_VALID, 1)
         except Exception as exc:  # LMDB lookups stay in use: slower, still correct
             log.error("kvstore: building the lookup table failed (%s); lookups read LMDB", exc)
             self._fail("building the lookup table", exc)
@@ -442,6 +520,13 @@ class ServingIndex:
                 try:
                     ops = [self._ops.get(timeout=0.05)]
                 except queue.Empty:
+                    self._upkeep_shared_safe()
+                    continue
+            elif self.lease is not None:
+                try:
+                    ops = [self._ops.get(timeout=_PEERS_EVERY_S)]
+                except queue.Empty:
+                    self._upkeep_shared_safe()
                     continue
             else:
                 ops = [self._ops.get()]
@@ -491,6 +576,7 @@ class ServingIndex:
                 if stop:
                     self._shutdown()
                 else:
+                    self._upkeep_shared()
                     self._refill()
                 self._gauges = self._read_gauges()
             except Exception as exc:
@@ -558,15 +644,28 @@ class ServingIndex:
             if bad:
                 self.index.abort(bad)
             skipped = set()
+            dups: list = []
             if good:
-                skipped.update(self.index.commit(good, sync=False))
+                skipped.update(self.index.commit(good, sync=False, dups_out=dups))
                 self.index.sync()   # durable before any of it becomes a hit
             live = [x for x in good if x not in skipped] if skipped else good
             failed += len(good) - len(live)
+            if dups:
+                # stored before us (by another engine, mostly): the entry that stands is
+                # the other one; our slot went back to free
+                known = {k for k, _, _ in dups}
+                live = [x for x in live if x[0] not in known]
             if live:
                 ks, ss, gs = (list(x) for x in zip(*live))
+                if self.lease is not None:      # other engines check their hits on these
+                    self.lease.slots.publish(ss, gs)
                 with self._lock:            # a duplicate keeps the existing entry
                     self._table.put_many(ks, ss, gs)
+            if dups:
+                with self._lock:
+                    self._table.put_many([d[0] for d in dups], [d[1] for d in dups],
+                                         [d[2] for d in dups])
+                live = live + dups
         except Exception as exc:
             # The index cannot be written (disk full...): the store is dropped and its
             # reservations are given back when the index can be written again.
@@ -596,6 +695,8 @@ class ServingIndex:
         for i in range(0, len(keys), 10000):
             dropped.extend(self.index.drop(keys[i:i + 10000]))
         if dropped:
+            if self.lease is not None:
+                self.lease.slots.retract([e.slot for e in dropped])
             with self._lock:
                 self._table.remove_many([e.key for e in dropped], [e.slot for e in dropped])
             self._post(IndexEvent("dropped", keys=[e.key for e in dropped]))
@@ -605,6 +706,53 @@ class ServingIndex:
         self._drop(keys)
         with self._lock:
             self._table.clear()
+
+    # -- a store shared with other engines ------------------------------------------
+    def _follow_peers(self) -> None:
+        """Map the pin arrays of the engines attached now (after one came or went)."""
+        epoch = self.lease.epoch
+        if epoch == self._epoch:
+            return
+        peers = self.lease.peers()
+        with self._lock:
+            self._table.set_peers(peers)
+        self._epoch = epoch
+
+    def _upkeep_shared(self) -> None:
+        """Index thread, between rounds: follow engines that came or went, reclaim a dead
+        engine's reservations, sweep a slice of the table of entries other engines
+        evicted. Cheap when alone (one shared word read)."""
+        if self.lease is None:
+            return
+        self._follow_peers()
+        now = time.monotonic()
+        if now < self._next_peers:
+            return
+        self._next_peers = now + _PEERS_EVERY_S
+        if self._table.peer_count or self._shared_now():
+            # an engine whose lease lock is free died: its reservations go back now
+            gone = self.lease.reap(self._reclaim_owner)
+            if gone:
+                self._follow_peers()
+        if self._ready and (self._table.peer_count or self._sweep_at):
+            with self._lock:
+                _, nxt = self._table.sweep(self._sweep_at, _SWEEP_BUCKETS)
+            self._sweep_at = nxt
+
+    def _upkeep_shared_safe(self) -> None:
+        try:
+            self._upkeep_shared()
+        except Exception as exc:
+            if not self._closed:
+                self._fail("following the other engines", exc)
+
+    def _shared_now(self) -> bool:
+        """Other engines are attached (one shared word; the step thread asks it on a miss)."""
+        return self.lease is not None and self.lease.slots.load(5) > 1
+
+    def _reclaim_owner(self, owner) -> None:
+        if owner is not None:
+            self.reclaimed += self.index.reclaim_owner(owner)
 
     def _shutdown(self) -> None:
         with self._pool_lock:

@@ -349,37 +349,45 @@ cdef class KeyTable:
     cdef inline bint _stale(self, uint32_t slot, uint64_t gen) noexcept nogil:
         return KT_LOAD64(&self.sgen[slot]) != gen
 
-    def sweep(self):
-        """Drop every entry whose slot no longer holds its generation (another engine
-        evicted or dropped it). Returns the count."""
+    def sweep(self, Py_ssize_t start=0, Py_ssize_t count=-1):
+        """Drop the entries of buckets [start, start + count) (all with count < 0) whose
+        slot no longer holds their generation (another engine evicted or dropped it), so
+        a large table is swept in slices. Returns (count dropped, next start: 0 after the
+        last slice)."""
+        cdef uint64_t size = self.mask + 1
+        cdef uint64_t i, b, e, k = 0, m = 0
+        cdef uint64_t *fps
+        cdef uint32_t *fp2s
+        cdef Py_ssize_t j
+        if start < 0 or <uint64_t>start >= size:
+            start = 0
+        b = <uint64_t>start
+        e = size if count < 0 or b + <uint64_t>count >= size else b + <uint64_t>count
         if not self._validating():
-            return 0
-        cdef uint64_t i, size = self.mask + 1, k = 0, m = 0
-        for i in range(size):
+            return 0, (0 if e >= size else <Py_ssize_t>e)
+        for i in range(b, e):
             if self.t[i].fp != 0 and self.t[i].slot < self.capacity and self._stale(self.t[i].slot, self.t[i].gen):
                 m += 1
-        if m == 0:
-            return 0
-        cdef uint64_t *fps = <uint64_t *>calloc(<size_t>m, sizeof(uint64_t))
-        cdef uint32_t *fp2s = <uint32_t *>calloc(<size_t>m, sizeof(uint32_t))
-        cdef Py_ssize_t j
-        if fps == NULL or fp2s == NULL:
+        if m:
+            fps = <uint64_t *>calloc(<size_t>m, sizeof(uint64_t))
+            fp2s = <uint32_t *>calloc(<size_t>m, sizeof(uint32_t))
+            if fps == NULL or fp2s == NULL:
+                free(fps)
+                free(fp2s)
+                raise MemoryError("sweep: cannot allocate the removal list")
+            for i in range(b, e):
+                if k < m and self.t[i].fp != 0 and self.t[i].slot < self.capacity and self._stale(self.t[i].slot, self.t[i].gen):
+                    fps[k] = self.t[i].fp
+                    fp2s[k] = self.t[i].fp2
+                    k += 1
+            for i in range(k):
+                j = self._find(fps[i], fp2s[i])
+                if j >= 0:
+                    self._delete_at(<uint64_t>j)
             free(fps)
             free(fp2s)
-            raise MemoryError("sweep: cannot allocate the removal list")
-        for i in range(size):
-            if k < m and self.t[i].fp != 0 and self.t[i].slot < self.capacity and self._stale(self.t[i].slot, self.t[i].gen):
-                fps[k] = self.t[i].fp
-                fp2s[k] = self.t[i].fp2
-                k += 1
-        for i in range(k):
-            j = self._find(fps[i], fp2s[i])
-            if j >= 0:
-                self._delete_at(<uint64_t>j)
-        free(fps)
-        free(fp2s)
-        self.stale_dropped += k
-        return k
+            self.stale_dropped += k
+        return <Py_ssize_t>k, (0 if e >= size else <Py_ssize_t>e)
 
     def __len__(self):
         return self.n

@@ -1,0 +1,200 @@
+"""Several engine processes on one store (issue 16), at the serving-index level: real
+LMDB, real shared maps, real processes (multiprocessing, spawn). What one engine stores,
+another finds; a slot one engine has pinned is never evicted by another; a hit whose slot
+another engine evicted is never served; a killed engine's reservations are reclaimed by
+the survivors at once, never while it lives."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+
+from kvstore import shared
+from kvstore.engine import DiskStore
+from kvstore.layout import Layout
+from kvstore.serving_index import ServingIndex
+
+BB = 4096
+LAYOUT = Layout(model="shared", dtype="float16", block_size=16, block_bytes=BB, num_layers=1,
+                num_kv_heads=1, head_dim=64, tp_size=1)
+
+
+def k(i: int, tag: bytes = b"a") -> bytes:
+    return tag + b"-%06d" % i + b"\x00" * 24
+
+
+def make(tmp_path, slots: int) -> str:
+    DiskStore.create(str(tmp_path / "store"), LAYOUT, slots * (BB + 4096)).close()
+    return str(tmp_path / "store")
+
+
+def commit_keys(ix: ServingIndex, keys: list[bytes]) -> None:
+    for i in range(0, len(keys), ix.pool_target):
+        part = keys[i:i + ix.pool_target]
+        slots, gens = ix.take(part)
+        assert len(slots) == len(part)
+        ix.commit(list(zip(part, slots, gens)))
+        ix.flush()
+
+
+def _engine(path, cmds, out):
+    """A child engine: runs commands from `cmds`, answers on `out`."""
+    st = DiskStore(path)
+    ix = ServingIndex(st, pool_target=8)
+    ix.wait_ready(30)
+    out.put(("ready", os.getpid()))
+    try:
+        while True:
+            cmd = cmds.get()
+            op = cmd[0]
+            if op == "stop":
+                break
+            if op == "commit":
+                commit_keys(ix, cmd[1])
+                out.put(("ok",))
+            elif op == "lookup":
+                slots, gens = ix.lookup_pin(cmd[1])
+                out.put(("hit", slots, gens))
+            elif op == "unpin":
+                ix.unpin(cmd[1])
+                out.put(("ok",))
+            elif op == "take":          # reserve and never commit (killed mid-store)
+                slots, gens = ix.take(cmd[1])
+                ix.flush()
+                out.put(("took", slots, gens))
+            elif op == "pins":
+                out.put(("pins", ix.pinned_slots))
+    finally:
+        ix.close()
+        st.close()
+        out.put(("closed",))
+
+
+@pytest.fixture
+def child():
+    ctx = mp.get_context("spawn")
+    procs = []
+
+    def start(path):
+        cmds, out = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=_engine, args=(path, cmds, out), daemon=True)
+        p.start()
+        assert out.get(timeout=60)[0] == "ready"
+        procs.append(p)
+
+        def call(*cmd, timeout=30):
+            cmds.put(cmd)
+            return out.get(timeout=timeout)
+        call.proc = p
+        return call
+    yield start
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+
+
+def test_what_one_engine_stores_the_other_finds(tmp_path, child):
+    path = make(tmp_path, 256)
+    b = child(path)
+    with DiskStore(path) as st:
+        ix = ServingIndex(st, pool_target=8)
+        ix.wait_ready(30)
+        assert ix._table.peer_count == 1 and ix._table.validating
+        mine = [k(i) for i in range(20)]
+        commit_keys(ix, mine)
+        # the other engine's table never saw these: its miss goes to LMDB, then joins
+        _, slots, gens = b("lookup", mine)
+        assert len(slots) == 20
+        assert b("unpin", slots) == ("ok",)
+        theirs = [k(i, b"b") for i in range(20)]
+        assert b("commit", theirs) == ("ok",)
+        s2, g2 = ix.lookup_pin(theirs)
+        assert len(s2) == 20 and ix.cross_hits == 20
+        ix.unpin(s2)
+        # the same block stored by both: one entry stands, and both tables agree on it
+        both = [k(i, b"c") for i in range(4)]
+        commit_keys(ix, both)
+        assert b("commit", both) == ("ok",)
+        _, s3, g3 = b("lookup", both)
+        s4, g4 = ix.lookup_pin(both)
+        assert (s3, g3) == (s4, g4)
+        ix.unpin(s4)
+        b("unpin", s3)
+        ix.close()
+        assert b("stop") == ("closed",)
+        assert st.index.check_consistency() == []
+        assert st.index.owned_counts() == {}
+
+
+def test_a_slot_pinned_by_another_engine_is_never_evicted(tmp_path, child):
+    path = make(tmp_path, 64)
+    b = child(path)
+    with DiskStore(path) as st:
+        ix = ServingIndex(st, pool_target=8)
+        ix.wait_ready(30)
+        old = [k(i) for i in range(40)]
+        commit_keys(ix, old)
+        _, pinned, pgens = b("lookup", old[:10])       # the other engine is loading these
+        assert len(pinned) == 10
+        # eviction pressure: far more new blocks than the store holds
+        for r in range(6):
+            commit_keys(ix, [k(i, b"n%d" % r) for i in range(40)])
+        ents = {e.slot: e for e in st.index.iter_entries()}
+        for s, g in zip(pinned, pgens):
+            assert s in ents and ents[s].generation == g, "a slot pinned by another engine was evicted"
+        b("unpin", pinned)
+        # unpinned now: they go with the next pressure, and the other engine's table
+        # entries for them are never served (their slots moved on)
+        for r in range(6, 9):
+            commit_keys(ix, [k(i, b"n%d" % r) for i in range(40)])
+        _, slots, _ = b("lookup", old[:10])
+        live = {e.key for e in st.index.iter_entries()}
+        assert len(slots) == len([x for x in old[:10] if x in live][:len(slots)])
+        assert all(old[j] in live for j in range(len(slots)))
+        ix.close()
+        b("stop")
+
+
+def test_killed_engine_reservations_are_reclaimed_at_once_never_while_it_lives(tmp_path, child):
+    path = make(tmp_path, 64)
+    b = child(path)
+    with DiskStore(path) as st:
+        ix = ServingIndex(st, pool_target=8)
+        ix.wait_ready(30)
+        _, slots, gens = b("take", [k(i, b"x") for i in range(6)])
+        assert len(slots) == 6
+        owners = st.index.owned_counts()
+        theirs = [o for o in owners if o != st.lease.owner]
+        assert len(theirs) == 1 and owners[theirs[0]] >= 6     # its pool and its store
+        engines = shared.engines(path, pins=True)
+        assert sorted(e.pid for e in engines if e.alive) == sorted([os.getpid(), b.proc.pid])
+        time.sleep(2 * 0.5 + 0.2)              # several upkeep rounds: it lives, nothing goes
+        assert st.index.owned_counts().get(theirs[0], 0) >= 6
+        os.kill(b.proc.pid, signal.SIGKILL)
+        b.proc.join(10)
+        deadline = time.monotonic() + 10
+        while theirs[0] in st.index.owned_counts() and time.monotonic() < deadline:
+            ix.flush()
+            time.sleep(0.1)
+        assert theirs[0] not in st.index.owned_counts()
+        assert ix.reclaimed >= 6
+        assert [e.pid for e in shared.engines(path)] == [os.getpid()]
+        stats = st.index.stats()
+        assert stats["reserved_slots"] == len(ix.pooled())
+        ix.close()
+        assert st.index.check_consistency() == []
+
+
+def test_exclusive_open_waits_for_no_engine(tmp_path, child):
+    path = make(tmp_path, 32)
+    b = child(path)
+    from kvstore.errors import StoreLocked
+    with pytest.raises(StoreLocked, match=str(b.proc.pid)):
+        DiskStore(path, exclusive=True)
+    b("stop")
+    b.proc.join(10)
+    DiskStore(path, exclusive=True).close()
