@@ -465,6 +465,14 @@ class DiskStore:
             self.ranks = []
             if self.index is not None:
                 index, self.index = self.index, None
+                if self.lease is not None:
+                    # What this engine still holds (a store cut short by the shutdown)
+                    # goes back now: with other engines attached, nobody else would.
+                    try:
+                        index.reclaim_owner(self.lease.owner)
+                    except KVStoreError as exc:
+                        log.warning("kvstore: could not give back this engine's reservations "
+                                    "(%s); the next engine to start alone reclaims them", exc)
                 index.close()
         finally:
             if self.lease is not None:
