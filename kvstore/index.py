@@ -400,6 +400,20 @@ class Index:
         return _entry(key, s, g, t)
 
     @_guard
+    def get_many(self, keys: Sequence[bytes]) -> list[tuple[bytes, int, int]]:
+        """(key, slot, generation) of each of `keys` that is in the index (in key order
+        of the answer, absent keys left out); one read txn, the B-tree walks in C."""
+        if not keys:
+            return []
+        with self._read() as txn:
+            rows = txn.cursor(db=self._keys).getmulti(list(keys))
+        out = []
+        for k, v in rows:
+            s, g, _ = _VAL.unpack(v)
+            out.append((bytes(k), s, g))
+        return out
+
+    @_guard
     def longest_prefix(self, keys: Sequence[bytes]) -> list[Entry]:
         """Entries of keys[0..i) where keys[i] is the first key not in the index. One read txn."""
         out: list[Entry] = []

@@ -246,7 +246,32 @@ class ServingIndex:
         if not self._ready:
             return self._present_lmdb(hashes, start, stop, group)
         with self._lock:
-            return self._table.present(hashes, start, stop, group)
+            flags = self._table.present(hashes, start, stop, group)
+            if b"\0" in flags and self._shared_now():
+                flags = self._peer_present(hashes, max(0, start), group, flags)
+            return flags
+
+    def _peer_present(self, hashes: list, start: int, group: int, flags: bytes) -> bytes:
+        """present() for the blocks the table lacks, from LMDB (other engines' stores),
+        while other engines are attached; what is found (and whose slot still holds its
+        generation) joins the table. Under _lock; one read transaction."""
+        miss = [i for i, f in enumerate(flags) if not f]
+        keys = [block_key(hashes[start + i], group) for i in miss]
+        found = self.index.get_many(keys)
+        if not found:
+            return flags
+        slots = self.lease.slots
+        ok = [(k, s_, g) for k, s_, g in found if slots.generation(s_) == g]
+        if not ok:
+            return flags
+        self._table.put_many([x[0] for x in ok], [x[1] for x in ok], [x[2] for x in ok])
+        self.cross_hits += len(ok)
+        have = {x[0] for x in ok}
+        out = bytearray(flags)
+        for i, key in zip(miss, keys):
+            if key in have:
+                out[i] = 1
+        return bytes(out)
 
     def plan_new(self, hashes: list, start: int, stop: int, block_ids: list, skip: set,
                  limit: int, group: int = 0) -> tuple[list[bytes], list[int], list[int]]:

@@ -67,6 +67,8 @@ def _engine(path, cmds, out):
                 out.put(("took", slots, gens))
             elif op == "pins":
                 out.put(("pins", ix.pinned_slots))
+            elif op == "present":       # hashes, group
+                out.put(("present", ix.present(cmd[1], 0, len(cmd[1]), cmd[2])))
     finally:
         ix.close()
         st.close()
@@ -128,6 +130,26 @@ def test_what_one_engine_stores_the_other_finds(tmp_path, child):
         assert b("stop") == ("closed",)
         assert st.index.check_consistency() == []
         assert st.index.owned_counts() == {}
+
+
+def test_hybrid_presence_walks_find_the_other_engines_blocks(tmp_path, child):
+    """Sliding-window and Mamba groups are looked up per block (`present`): blocks another
+    engine stored are found too, holes stay holes."""
+    from kvstore.layout import block_key
+    path = make(tmp_path, 128)
+    b = child(path)
+    with DiskStore(path) as st:
+        ix = ServingIndex(st, pool_target=8)
+        ix.wait_ready(30)
+        hashes = [bytes([i]) * 32 for i in range(12)]
+        stored = [i for i in range(12) if i % 3 != 1]           # holes at 1, 4, 7, 10
+        commit_keys(ix, [block_key(hashes[i], 2) for i in stored])
+        _, flags = b("present", hashes, 2)
+        assert [i for i, f in enumerate(flags) if f] == stored
+        _, flags = b("present", hashes, 0)                      # another group: none
+        assert flags == bytes(12)
+        ix.close()
+        b("stop")
 
 
 def test_a_slot_pinned_by_another_engine_is_never_evicted(tmp_path, child):
