@@ -18,6 +18,11 @@ commit fsyncs included, on the scheduler thread), on the same store.
 
 The prefilled entries are synthetic (random keys over sparse slot files: they are never
 read), so a 10M-entry store costs index space only.
+
+With `engines` > 1 (issue 16), that many engine processes run the phases at once on the one
+store, each its own prompts in the store phase, and in the load phase engine i replays
+engine i+1's prompts (cross-engine hits: it never computed them); a barrier starts each
+phase together. Each engine's numbers are reported.
 """
 from __future__ import annotations
 
@@ -255,7 +260,8 @@ def _freeze_heap() -> None:
     freeze_gc_heap()
 
 
-def _phases(common: dict, prompts: list, index_thread: bool) -> dict:
+def _phases(common: dict, prompts: list, index_thread: bool, load_prompts: list | None = None,
+            barrier=None) -> dict:
     import gc
 
     from kvstore.testing import EngineHarness
@@ -291,26 +297,72 @@ def _phases(common: dict, prompts: list, index_thread: bool) -> dict:
         res["tokens_computed"] = h.stats["tokens_computed"] - before["tokens_computed"]
         out["store"] = res
     gc.unfreeze()
+    if barrier is not None:
+        barrier.wait(600)
     with EngineHarness(**common) as h:      # restart: GPU cache empty, the store kept
         ix = h.scheduler_connector.scheduler.index
         ix.wait_ready()
         _freeze_heap()
+        if barrier is not None:
+            barrier.wait(600)
         before = dict(h.stats)
         timer = _StepTimer(h)
-        for p in prompts:
+        for p in (prompts if load_prompts is None else load_prompts):
             h.add_request(p, max_tokens=1)
         h.drain()
         res = timer.result()
         res["blocks_loaded"] = sum(w.worker.loaded_bytes_total for w in h.worker_connectors) \
             // h.scheduler_connector.layout.block_bytes
         res["disk_hit_tokens"] = h.stats["external_hit_tokens"] - before["external_hit_tokens"]
+        res["cross_engine_blocks"] = ix.cross_hits
         out["load"] = res
     gc.unfreeze()
     return out
 
 
+def _engine_main(common, prompts, load_prompts, barrier, results, i) -> None:
+    """One engine process of a several-engine run (spawned)."""
+    try:
+        if barrier is not None:
+            barrier.wait(600)
+        res = _phases(common, prompts, True, load_prompts, barrier)
+        res["pid"] = os.getpid()
+        results.put((i, res))
+    except BaseException as exc:    # reported by the parent
+        results.put((i, {"error": f"{type(exc).__name__}: {exc}"}))
+        if barrier is not None:
+            barrier.abort()
+
+
+def _several(common: dict, sets: list[list], n: int) -> list[dict]:
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(n)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_engine_main,
+                         args=(common, sets[i], sets[(i + 1) % n], barrier, results, i))
+             for i in range(n)]
+    for p in procs:
+        p.start()
+    out: list = [None] * n
+    try:
+        for _ in range(n):
+            i, res = results.get(timeout=3600)
+            out[i] = res
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    errs = [f"engine {i}: {r['error']}" for i, r in enumerate(out) if "error" in r]
+    if errs:
+        from kvstore.errors import KVStoreError
+        raise KVStoreError("bench connector with several engines failed: " + "; ".join(errs))
+    return out
+
+
 def run(index_entries: int = 1_000_000, requests: int = 48, prompt_tokens: int = 8192,
-        baseline: bool = True, workdir: str | None = None) -> dict:
+        baseline: bool = True, workdir: str | None = None, engines: int = 1) -> dict:
     from kvstore.testing import EngineHarness
     tmp = tempfile.TemporaryDirectory(prefix="kvstore-bench-conn-", dir=workdir)
     d = tmp.name
@@ -336,7 +388,14 @@ def run(index_entries: int = 1_000_000, requests: int = 48, prompt_tokens: int =
             pass
         if index_entries:
             out.update(_prefill(store, index_entries))
-        res = _phases(common, prompts, index_thread=True)
+        if engines > 1:
+            sets = [prompts] + [[[rng.randrange(10, 30000) for _ in range(ntok)]
+                                 for _ in range(requests)] for _ in range(engines - 1)]
+            per = _several(common, sets, engines)
+            out["engines"] = per
+            res = per[0]
+        else:
+            res = _phases(common, prompts, index_thread=True)
         out["phases"] = {"store": res["store"], "load": res["load"]}
         out["table_build_s"] = res["table_build_s"]
         out["engine_open_s"] = res["engine_open_s"]
@@ -359,6 +418,10 @@ def format_table(r: dict) -> str:
              f"{'design':<22} {'phase':<6} {'steps':>6} {'p50':>8} {'p99':>8} {'max':>8} "
              f"{'fsyncs':>7}"]
     rows = [("index thread (new)", r["phases"])]
+    if len(r.get("engines", ())) > 1:
+        lines[0] += f"; {len(r['engines'])} engine processes on the one store"
+        rows = [(f"engine {i} (pid {e['pid']})", {"store": e["store"], "load": e["load"]})
+                for i, e in enumerate(r["engines"])]
     if "baseline" in r:
         rows.append(("synchronous (old)", r["baseline"]["phases"]))
     for name, phases in rows:
@@ -393,8 +456,13 @@ def format_table(r: dict) -> str:
     lines.append(f"store phase: {st['steps_per_s']} steps/s (no model forward), {st['stored_blocks_per_s']} "
                  "blocks/s committed by the index thread; blocks the slot pool could not cover "
                  "were dropped, never waited for")
-    lines.append(f"store phase: {st['stored_blocks']} of {st['planned_blocks']} blocks committed; load phase: "
-                 f"{ld['blocks_loaded']} blocks loaded, {ld['disk_hit_tokens']} tokens from disk")
+    for name, phases in rows:
+        st, ld = phases["store"], phases["load"]
+        lines.append(f"{name}: store phase {st['stored_blocks']} of {st['planned_blocks']} blocks "
+                     f"committed; load phase {ld['blocks_loaded']} blocks loaded, "
+                     f"{ld['disk_hit_tokens']} tokens from disk, "
+                     f"{ld.get('cross_engine_blocks', 0)} found in LMDB only (stored by another "
+                     "engine after this one's table was built)")
     return "\n".join(lines)
 
 
