@@ -276,6 +276,19 @@ def _check_free_space(path: str, dirs: list[str], geo: StoreGeometry, tp_size: i
                 f"{len(dirs)} data directories)")
 
 
+def _check_distinct_dirs(dirs: list[str]) -> None:
+    """Two data directories that are one directory (a symlink, a bind mount) would put two
+    devices' slot files in one place: refuse, naming both."""
+    seen: dict[tuple[int, int], str] = {}
+    for d in dirs:
+        st = os.stat(d)
+        other = seen.setdefault((st.st_dev, st.st_ino), d)
+        if other != d:
+            raise ConfigError(
+                f"data_dirs {other} and {d} are the same directory (a symlink or a bind mount); "
+                "give each device a directory of its own")
+
+
 class WriterLock:
     """The exclusive store lock of an offline repair (`kvstore fsck --repair`): refused
     while any engine is attached (StoreLocked naming one), and no engine attaches while it
@@ -405,6 +418,7 @@ class DiskStore:
         if dirs:
             for d in dirs:
                 _check_data_dir(d, direct)
+            _check_distinct_dirs(dirs)
         _safe_mkdir(path)
         lock = WriterLock(path)
         devices = dirs or [path]
