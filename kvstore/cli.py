@@ -132,9 +132,9 @@ def _progress_factory(enabled: bool = True):
 @click.argument("store", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of the table.")
 def info_cmd(store, as_json):
-    """Fingerprint, capacity, slot usage, counters, files and writer of STORE.
+    """Fingerprint, capacity, slot usage, counters, files and attached engines of STORE.
 
-    Read-only and lock-free: safe while a server uses the store.
+    Read-only and lock-free: safe while engines use the store.
     """
     from kvstore.tools import info as info_mod
     try:
@@ -161,7 +161,8 @@ class _FsckCommand(click.Command):
 @click.argument("store", type=click.Path(file_okay=False))
 @click.option("--deep", is_flag=True, help="Also verify every payload checksum (reads every used slot).")
 @click.option("--repair", is_flag=True,
-              help="Fix what is found (takes the writer lock; refuses while a server holds it).")
+              help="Fix what is found (an offline repair: refused, naming their pids, while engines "
+                   "are attached).")
 @click.option("--rebuild-index", is_flag=True,
               help="Recreate index/ from the slots (reads and verifies every slot; implies --repair).")
 @click.option("--json", "as_json", is_flag=True, help="Print every finding and the counts as JSON.")
@@ -172,7 +173,7 @@ class _FsckCommand(click.Command):
 def fsck_cmd(store, deep, repair, rebuild_index, as_json, quiet, queue_depth, staging):
     """Check STORE (and with --repair, fix it), like e2fsck.
 
-    Read-only by default and safe while a server uses the store. Exit status (a sum, as
+    Read-only by default and safe while engines use the store. Exit status (a sum, as
     e2fsck): 0 clean, 1 errors corrected, 4 errors left uncorrected, 8 operational error,
     16 usage error, 32 cancelled.
     """

@@ -519,3 +519,68 @@ def test_fsck_while_a_writer_serves(tmp_path):
     assert int(out.split()[1]) > 1000   # the writer really wrote while fsck ran
     rep = fsck(str(p), deep=True, repair=True)
     assert rep.exit_code == 0, F.format_text(rep)
+
+
+# ------------------------------------------------------------------ next to several engines
+
+HOLDER = textwrap.dedent(r"""
+    import sys, numpy as np
+    sys.path.insert(0, sys.argv[2])
+    from kvstore.engine import DiskStore
+    st = DiskStore(sys.argv[1], io=True)
+    ks = [(5000 + j).to_bytes(4, "big") * 8 + b"\x01" for j in range(4)]
+    st.put(ks, lambda n, r: np.full(8192, n + 1, np.uint8))
+    refs, _ = st.reserve([(6000 + j).to_bytes(4, "big") * 8 + b"\x01" for j in range(3)])
+    print("ready", flush=True)
+    sys.stdin.read()          # an in-flight store (3 reservations) until told to go
+    st.abort(refs)
+    st.close()
+""")
+
+
+def test_fsck_next_to_two_engines_and_repair_refused_naming_both(tmp_path):
+    """Two engine processes attached (one storing and evicting all the time, one holding
+    reservations of an in-flight store): the read-only check (deep, repeated) is clean
+    and says which engines are attached; --repair and --rebuild-index are refused, naming
+    both pids and what to do; once they are gone --repair runs and finds nothing."""
+    p = tmp_path / "store"
+    make_store(p)
+    a = subprocess.Popen([sys.executable, "-c", WRITER, str(p), REPO], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    b = None
+    try:
+        assert a.stdout.readline().strip() == "ready"
+        b = subprocess.Popen([sys.executable, "-c", HOLDER, str(p), REPO], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+        assert b.stdout.readline().strip() == "ready"
+        time.sleep(0.2)
+        for _ in range(3):
+            rep = fsck(str(p), deep=True)
+            assert rep.exit_code == 0, F.format_text(rep)
+            assert sorted(rep.stats["engine_pids"]) == sorted([a.pid, b.pid])
+            assert rep.stats["writer_pid"] in (a.pid, b.pid)
+            assert rep.stats["reserved_in_flight"] >= 3
+        text = F.format_text(rep)
+        assert "note: engines attached: pids " in text and str(a.pid) in text and str(b.pid) in text
+        assert "clean" in text
+        for flag in ("--repair", "--rebuild-index"):
+            r = CliRunner().invoke(main, ["fsck", "-q", flag, str(p)])
+            assert r.exit_code == 8, r.output
+            assert "2 engine(s) are attached" in r.output, r.output
+            assert str(a.pid) in r.output and str(b.pid) in r.output
+            assert "stop them" in r.output and "without --repair" in r.output
+        r = CliRunner().invoke(main, ["fsck", "-q", "--json", "--repair", str(p)])
+        doc = json.loads(r.output)
+        assert r.exit_code == 8 and sorted(doc["stats"]["engine_pids"]) == sorted([a.pid, b.pid])
+        assert "refusing to repair" in doc["error"]
+    finally:
+        for proc in (a, b):
+            if proc is not None and proc.poll() is None:
+                if proc is a:
+                    proc.stdin.write("stop\n")
+                proc.stdin.close()
+                proc.wait(30)
+    assert a.returncode == 0 and b.returncode == 0
+    rep = fsck(str(p), deep=True, repair=True)
+    assert rep.exit_code == 0, F.format_text(rep)
+    assert rep.stats["engine_pids"] == [] and rep.stats["reserved_in_flight"] == 0

@@ -7,21 +7,27 @@ existing entries unless told to, and keep the source's hotness order with --all.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from kvstore import shared
 from kvstore.cli import main
-from kvstore.engine import DiskStore, slot_file_path
+from kvstore.engine import DiskStore, WriterLock, slot_file_path
 from kvstore.errors import ConfigError, LayoutMismatch, StoreLocked
 from kvstore.layout import Layout
 from kvstore.tools import warmup as W
 from kvstore.tools.keys import prompt_block_keys
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BS = 16           # tokens per block
 BLOCK = 8192
 SLOT = 4096 + BLOCK
@@ -318,12 +324,113 @@ def test_cli_json_and_errors(tmp_path):
     other = make_dst(tmp_path / "other", lay=layout(dtype="bfloat16"))
     with pytest.raises(LayoutMismatch, match="dtype"):
         W.warmup(other, pf, from_store=src)
-    # a writer holds the destination
-    with DiskStore(dst):
-        with pytest.raises(StoreLocked, match=f"pid {os.getpid()}"):
+    # an offline repair holds the destination exclusively: refused, saying so (a dry run works)
+    lock = WriterLock(dst)
+    try:
+        with pytest.raises(StoreLocked, match="offline repair"):
             W.warmup(dst, pf, from_store=src)
+        r = CliRunner().invoke(main, ["warmup", dst, pf, "--from-store", src, "-q"])
+        assert r.exit_code == 1 and "fsck --repair" in r.output and "--dry-run" in r.output
+        assert W.warmup(dst, pf, from_store=src, dry_run=True).blocks_present == len(all_keys(plist))
+    finally:
+        lock.release()
     r = CliRunner().invoke(main, ["warmup", dst, pf])
     assert r.exit_code == 1 and "--from-store" in r.output
+
+
+# An engine serving from the store in its own process: it stores blocks of its own, then
+# answers each stdin line (a JSON list of hex keys) with what it reads for them
+# ({key: [sha256 of each rank's bytes]} or null), through its own handle.
+SERVING = textwrap.dedent(r"""
+    import hashlib, json, sys
+    sys.path.insert(0, sys.argv[2])
+    import numpy as np
+    from kvstore.engine import DiskStore
+    st = DiskStore(sys.argv[1], io=True, staging_bytes=1 << 20)
+    own = [b"own-block-%02d" % i for i in range(int(sys.argv[3]))]
+    assert st.put(own, lambda i, r: np.full(8192, i + 1, np.uint8)) == own
+    print("ready", flush=True)
+    for line in sys.stdin:
+        out = {}
+        for h in json.loads(line):
+            k = bytes.fromhex(h)
+            got = st.get([k], touch=False)
+            out[h] = [hashlib.sha256(bytes(b)).hexdigest() for b in got[k]] if k in got else None
+        print(json.dumps(out), flush=True)
+    st.close()
+""")
+
+
+def test_warmup_next_to_a_serving_engine(tmp_path, monkeypatch):
+    """An engine process is attached to (and serving from) the destination: warmup
+    attaches next to it (a lease of kind "warmup"), writes every block without evicting
+    the engine's own, and the engine then reads the warmed blocks through its own
+    handle, byte-exact on every rank. The --model path no longer refuses a served store
+    either (the connector attaches the same way)."""
+    plist = prompts(10, seed=21)
+    want = all_keys(plist)
+    src = make_src(tmp_path / "src", plist, tp=2)
+    dst = make_dst(tmp_path / "dst", cap=len(want) + 8, tp=2)
+    pf = write_jsonl(tmp_path / "p.jsonl", plist)
+    eng = subprocess.Popen([sys.executable, "-c", SERVING, dst, REPO, "6"], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        assert eng.stdout.readline().strip() == "ready"
+        seen = []
+
+        def progress(desc, total, unit):   # called while warmup is attached: who is there?
+            seen.append({(e.pid, e.kind) for e in shared.engines(dst) if e.alive})
+            return None
+        sm = W.warmup(dst, pf, from_store=src, progress=progress)
+        assert seen and seen[0] == {(eng.pid, "engine"), (os.getpid(), "warmup")}
+        assert sm.blocks_written == len(want) and sm.stopped is None and sm.evictions == 0
+        assert [(e.pid, e.alive) for e in shared.engines(dst)] == [(eng.pid, True)]   # warmup left
+
+        def ask(keys):
+            eng.stdin.write(json.dumps([k.hex() for k in keys]) + "\n")
+            eng.stdin.flush()
+            return json.loads(eng.stdout.readline())
+        got = ask(want)
+        for k in want:
+            assert got[k.hex()] == [hashlib.sha256(payload_of(k, r).tobytes()).hexdigest()
+                                    for r in range(2)], k.hex()
+        own = [b"own-block-%02d" % i for i in range(6)]
+        assert all(v is not None for v in ask(own).values())      # nothing of the engine's evicted
+
+        # a second run next to it: everything is there already
+        again = W.warmup(dst, pf, from_store=src)
+        assert again.blocks_written == 0 and again.blocks_present == len(want)
+
+        # --model: no refusal for a served store; it goes on to start vLLM (stubbed here)
+        class Started(Exception):
+            pass
+
+        def fake_engine(*a, **kw):
+            raise Started
+        monkeypatch.setattr(W, "_engine_runs_here", lambda: None)
+        monkeypatch.setattr(W, "_engine", fake_engine)
+        extra = write_jsonl(tmp_path / "x.jsonl", prompts(2, seed=99, shared_prefix=0))
+        with pytest.raises(Started):
+            W.warmup(dst, extra, model=str(tmp_path))
+    finally:
+        if eng.poll() is None:
+            eng.stdin.close()
+            eng.wait(30)
+    assert eng.returncode == 0
+    check_dst(dst, want, tp=2)
+
+
+def test_model_refused_while_an_offline_repair_holds_the_store(tmp_path, monkeypatch):
+    dst = make_dst(tmp_path / "dst")
+    pf = write_jsonl(tmp_path / "p.jsonl", prompts(2))
+    monkeypatch.setattr(W, "_engine_runs_here", lambda: None)
+    monkeypatch.setattr(W, "_engine", lambda *a, **kw: pytest.fail("vLLM started during a repair"))
+    lock = WriterLock(dst)
+    try:
+        with pytest.raises(StoreLocked, match="offline repair"):
+            W.warmup(dst, pf, model=str(tmp_path))
+    finally:
+        lock.release()
 
 
 def test_model_where_this_vllm_cannot_run_says_what_to_do(tmp_path):

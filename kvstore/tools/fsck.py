@@ -17,10 +17,11 @@ Passes:
 4. unlisted slots: a slot that is neither used, free nor reserved is an *orphan* when its
    header claims a key the index does not hold there, a *leaked* slot otherwise.
 
-Read-only by default, without the writer lock: safe while a server uses the store (the
-structure is read from one snapshot; a data finding is re-checked against the live index
-and dropped if the entry changed meanwhile). `--repair` takes the writer lock (refusing,
-with the holder's pid, when a server has it), fixes slot files (recreates missing ones,
+Read-only by default, without any lock: safe while engines use the store, however many
+are attached (the structure is read from one snapshot; a data finding is re-checked
+against the live index and dropped if the entry changed meanwhile). `--repair` takes the
+store's exclusive lock (an offline repair: refused, naming the attached engines' pids,
+while any engine is attached; no engine attaches while it runs), fixes slot files (recreates missing ones,
 restores sizes, replaces symlinks), drops dangling and corrupt entries, frees orphans
 and leaked slots and rebuilds the free and LRU lists (the index is rebuilt from the
 surviving entries, keeping their LRU order and the counters, whenever its structure is
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstore import _slotfile
+from kvstore import _slotfile, shared
 from kvstore._slotfile import HEADER_SIZE, SlotFile
 from kvstore.engine import RankIO, WriterLock, rank_dir, slot_file_path
 from kvstore.errors import CorruptIndex, CorruptSlot, KVStoreError, StoreLocked, StoreNotFound
@@ -199,7 +200,7 @@ class _Check:
     """One fsck run over one store (the passes above); fills a Report."""
 
     def __init__(self, path: str, report: Report, *, deep: bool, repair: bool,
-                 staging_bytes: int, queue_depth: int, progress, writer_pid: int | None):
+                 staging_bytes: int, queue_depth: int, progress, engine_pids: list[int] = ()):
         self.path = path
         self.rep = report
         self.deep = deep
@@ -207,7 +208,7 @@ class _Check:
         self.staging_bytes = staging_bytes
         self.queue_depth = queue_depth
         self.progress = progress
-        self.writer_pid = writer_pid
+        self.engine_pids = list(engine_pids)
         self.layout, self.geo, doc = read_fingerprint(path)
         self.dirs = device_dirs(path, doc)   # one per device (the store itself if no data_dirs)
         self.cap = self.geo.num_slots
@@ -566,9 +567,10 @@ class _Check:
         bad_keys: set[bytes] = set()
         for (key, s), items in bad.items():
             e = items[0][3]
-            if self.writer_pid is not None and not self.repair:
-                # A writer may have evicted and rewritten the slot after our snapshot: the
-                # finding stands only if the entry is still the one we checked.
+            if not self.repair:
+                # An engine (attached before or during the check: it is lock-free) may have
+                # evicted and rewritten the slot after our snapshot: the finding stands only
+                # if the entry is still the one we checked.
                 now = ix.lookup(key)
                 if now is None or now.slot != e.slot or now.generation != e.generation:
                     changed += 1
@@ -786,26 +788,28 @@ def fsck(path: str, *, deep: bool = False, repair: bool = False, rebuild_index: 
             rep.error = f"cannot check {path} without a valid {FINGERPRINT}"
             return rep
         lock = None
-        writer_pid = None
+        pids: list[int] = []
         if repair:
             try:
                 lock = WriterLock(path)
             except StoreLocked as exc:
-                rep.error = (f"refusing to repair {path}: a writer (pid {exc.pid}) has it open; stop "
-                             "that process first, or run fsck without --repair for a read-only check")
-                rep.stats["writer_pid"] = exc.pid
+                pids = shared.live_pids(path)
+                rep.stats["engine_pids"] = pids
+                rep.stats["writer_pid"] = pids[0] if pids else exc.pid
+                rep.error = _refusal(path, pids)
                 return rep
         else:
-            writer_pid = WriterLock.holder(path)
-        rep.stats["writer_pid"] = writer_pid
+            pids = shared.live_pids(path)
+        rep.stats["engine_pids"] = pids
+        rep.stats["writer_pid"] = pids[0] if pids else None   # compatibility: one of them
         try:
             _Check(path, rep, deep=deep, repair=repair, staging_bytes=staging_bytes,
-                   queue_depth=queue_depth, progress=progress, writer_pid=writer_pid).run(rebuild_index)
+                   queue_depth=queue_depth, progress=progress, engine_pids=pids).run(rebuild_index)
             if repair and any(f.fixed for f in rep.findings):
                 # Check the repaired store again (lock still held, index read-only).
                 again = Report(store=path, deep=deep)
                 _Check(path, again, deep=deep, repair=False, staging_bytes=staging_bytes,
-                       queue_depth=queue_depth, progress=progress, writer_pid=None).run(False)
+                       queue_depth=queue_depth, progress=progress).run(False)
                 for f in again.findings:
                     f.detail = "still present after repair: " + f.detail
                     rep.findings.append(f)
@@ -825,15 +829,29 @@ def fsck(path: str, *, deep: bool = False, repair: bool = False, rebuild_index: 
     return rep
 
 
+def _refusal(path: str, pids: list[int]) -> str:
+    """Why --repair / --rebuild-index will not run now, and what to do."""
+    if pids:
+        who = (f"{len(pids)} engine(s) are attached (pid{'s' if len(pids) > 1 else ''} "
+               f"{', '.join(map(str, pids))})")
+        return (f"refusing to repair {path}: {who}; an offline repair needs the store to itself: "
+                "stop them (every vLLM server and `kvstore warmup` on this store) and run it again, "
+                "or run fsck without --repair for a read-only check next to them")
+    return (f"refusing to repair {path}: another process holds the store's lock (an engine "
+            "attaching or leaving, or another repair); run it again, or run fsck without --repair "
+            "for a read-only check")
+
+
 def format_text(rep: Report) -> str:
     lines = []
     mode = {"check": "read-only check", "repair": "repair",
             "rebuild-index": "index rebuilt from verified slots, then repair"}[rep.mode]
     lines.append(f"kvstore fsck {rep.store} ({mode}, {'deep: payload checksums' if rep.deep else 'headers'})")
     st = rep.stats
-    if st.get("writer_pid") and rep.mode == "check":
-        lines.append(f"note: a writer (pid {st['writer_pid']}) is using the store; the check is read-only "
-                     f"and findings were re-checked against the live index")
+    if st.get("engine_pids") and rep.mode == "check":
+        lines.append(f"note: engines attached: pid{'s' if len(st['engine_pids']) > 1 else ''} "
+                     f"{', '.join(map(str, st['engine_pids']))}; the check is read-only and findings "
+                     "were re-checked against the live index")
     for f in rep.findings:
         where = []
         if f.slot is not None:
@@ -876,7 +894,7 @@ def format_text(rep: Report) -> str:
         summary.append(f"{format_size(st['bytes_read'])} read in {st['read_seconds']:.2f} s "
                        f"({st.get('read_gbps', 0):.2f} GB/s)")
     if st.get("changed_during_check"):
-        summary.append(f"{st['changed_during_check']} entr(ies) changed by the writer during the check "
+        summary.append(f"{st['changed_during_check']} entr(ies) changed by the engines during the check "
                        "(skipped)")
     if st.get("reserved_in_flight"):
         summary.append(f"{st['reserved_in_flight']} slot(s) reserved by in-flight or interrupted stores")

@@ -1,15 +1,22 @@
 """`kvstore info STORE`: what a store is and how full it is.
 
-Read-only and lock-free (safe next to a running server): the fingerprint, the slot
+Read-only and lock-free (safe next to running engines): the fingerprint, the slot
 geometry, used / free / reserved / pinned slots, hit and eviction counters, how long ago
-the oldest entry was last used, file sizes and who holds the writer lock. Everything is
-O(1) in the store size (index counters and LMDB statistics, no scan).
+the oldest entry was last used, file sizes and the engines attached to the store.
+Everything but the engine list is O(1) in the store size (index counters and LMDB
+statistics, no scan); the engines' pins and reservations are counted from their lease
+files and the index's `owned` rows (O(capacity) per engine for the pins, O(reserved) for
+the reservations).
 
-Pins live in the memory of the process that serves from the store; another process
-cannot see them, so `pinned_slots` is what *this* opener holds (0 for the CLI). Slots
-reserved by in-flight stores are in the index and are shown as `reserved_slots`.
-Ages are in index ticks (one tick per block committed or hit), not seconds: the index
-keeps access order, not wall-clock time.
+Engines (`engines`): one row per lease file in STORE/engines (`kvstore.shared`): pid,
+start time, kind (engine, warmup), whether it is alive, the reservations it holds
+(index `owned` rows, in-flight stores) and the slots it pins (its lease's pin counts,
+written by the serving index; an engine that pins only in memory, as a bare `DiskStore`
+does, shows 0). A lease whose process died and that no engine has reclaimed yet shows
+with alive false, with its reservations: the next engine to attach, or a running
+serving engine within seconds, gives them back. Top-level `pinned_slots` sums the live
+engines' pins. Ages are in index ticks (one tick per block committed or hit), not
+seconds: the index keeps access order, not wall-clock time.
 """
 from __future__ import annotations
 
@@ -17,7 +24,8 @@ import datetime
 import os
 import stat
 
-from kvstore.engine import DiskStore, WriterLock, rank_dir, slot_file_path
+from kvstore import shared
+from kvstore.engine import DiskStore, rank_dir, slot_file_path
 from kvstore.errors import KVStoreError
 from kvstore.layout import FINGERPRINT, device_dirs, format_size, read_fingerprint
 from kvstore.rankio import read_iostats
@@ -45,6 +53,7 @@ def gather(path: str) -> dict:
     """
     path = os.path.abspath(path)
     layout, geo, doc = read_fingerprint(path)
+    leases = shared.engines(path, pins=True)     # before the reservations: see _engines
     out: dict = {
         "store": path,
         "format_version": doc.get("format_version"),
@@ -59,16 +68,19 @@ def gather(path: str) -> dict:
         "files_per_rank": sum(geo.device_files(d) for d in range(geo.num_devices)),
         "num_devices": geo.num_devices,
         "tp_size": layout.tp_size,
-        "writer_pid": WriterLock.holder(path),
+        # kept for compatibility: an attached engine's pid (the first lease's), or None
+        "writer_pid": next((e.pid for e in leases if e.alive), None),
     }
     dirs = device_dirs(path, doc)
     if doc.get("data_dirs"):
         out["data_dirs"] = dirs
     dev_used = None
     fences: dict = {}
+    owned: dict = {}
     try:
         with DiskStore(path, readonly=True) as st:
             s = st.stats()
+            owned = st.index.owned_counts()
             if len(dirs) > 1:
                 dev_used = _used_per_device(st, s, geo)
                 fences = st.index.fenced_devices()
@@ -83,7 +95,7 @@ def gather(path: str) -> dict:
             "used_slots": s["used_slots"],
             "free_slots": s["free_slots"],
             "reserved_slots": s["reserved_slots"],
-            "pinned_slots": s["pinned_slots"],
+            "pinned_slots": sum(e.pinned_slots for e in leases if e.alive),
             "used_bytes": s["used_slots"] * geo.slot_size * layout.tp_size,
             "hits": s["hits"],
             "misses": s["misses"],
@@ -101,6 +113,13 @@ def gather(path: str) -> dict:
         if geo.num_slots != s["capacity_slots"]:
             out["index_error"] = (f"the index has {s['capacity_slots']} slots but the fingerprint "
                                   f"{geo.num_slots}; run `kvstore fsck`")
+    out["engines"] = _engines(leases, owned)
+    if s is not None:
+        # reservations no lease names: made without an owner (an exclusive open, a store
+        # written before leases existed) or left by an engine whose close could not give
+        # them back; the next engine to attach with no other attached reclaims them
+        out["unowned_reserved_slots"] = max(
+            0, s["reserved_slots"] - sum(e["reserved_slots"] for e in out["engines"]))
     files: dict = {}
     fp = _file_usage(os.path.join(path, FINGERPRINT))
     files["fingerprint_bytes"] = fp[0] if fp else None
@@ -135,6 +154,24 @@ def gather(path: str) -> dict:
     if len(dirs) > 1:
         out["failed_devices"] = sorted(fences)
         out["fenced_slots"] = sum(geo.device_slots(d) for d in fences if d < len(dirs))
+    return out
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
+
+
+def _engines(leases, owned: dict) -> list[dict]:
+    """One object per lease file: who it is, whether it lives, what it holds. The leases
+    are read before the reservations, so an engine that attached in between is not
+    listed (its reservations count as unowned for this one look)."""
+    out = []
+    for e in sorted(leases, key=lambda e: (not e.alive, e.started, e.pid)):
+        out.append({"pid": e.pid, "started": round(e.started, 3), "started_iso": _iso(e.started),
+                    "kind": e.kind, "alive": e.alive,
+                    "reserved_slots": int(owned.get(e.owner, 0)),
+                    "pinned_slots": int(e.pinned_slots),
+                    "lease": os.path.basename(e.path)})
     return out
 
 
@@ -206,6 +243,31 @@ def _pct(n: int, d: int) -> str:
     return f"{100.0 * n / d:.1f}%" if d else "-"
 
 
+def _engine_rows(info: dict) -> list[tuple[str, str]]:
+    engs = info.get("engines") or []
+    live = [e for e in engs if e["alive"]]
+    dead = [e for e in engs if not e["alive"]]
+    head = (f"{len(live)} attached (pid {', '.join(str(e['pid']) for e in live)})" if live
+            else "none attached")
+    if dead:
+        head += f"; {len(dead)} gone, not reclaimed yet"
+    rows = [("engines", head)]
+    for e in engs:
+        when = datetime.datetime.fromtimestamp(e["started"]).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+        if e["alive"]:
+            rows.append(("  engine", f"pid {e['pid']} ({e['kind']}), started {when}, "
+                                     f"reserved {e['reserved_slots']:,}, pinned {e['pinned_slots']:,}"))
+        else:
+            rows.append(("  engine", f"pid {e['pid']} ({e['kind']}), started {when}: GONE (its lease is "
+                                     f"left; its {e['reserved_slots']:,} reservation(s) go back when an "
+                                     "engine attaches, or within seconds to a running serving engine)"))
+    if info.get("unowned_reserved_slots"):
+        rows.append(("  unowned", f"{info['unowned_reserved_slots']:,} reservation(s) held by no attached "
+                                  "engine (reclaimed when an engine attaches with no other attached, "
+                                  "or by `kvstore fsck --repair`)"))
+    return rows
+
+
 def format_text(info: dict) -> str:
     L = info["layout"]
     rows = [("store", info["store"])]
@@ -228,7 +290,7 @@ def format_text(info: dict) -> str:
         cap = info["capacity_slots"]
         rows.append(("slots", f"used {info['used_slots']:,} ({_pct(info['used_slots'], cap)}), "
                               f"free {info['free_slots']:,}, reserved {info['reserved_slots']:,}, "
-                              f"pinned {info['pinned_slots']:,} (pins live in the serving process)"))
+                              f"pinned {info['pinned_slots']:,} (by the attached engines)"))
         rate = f"{100.0 * info['hit_rate']:.1f}%" if info["hit_rate"] is not None else "-"
         rows.append(("lookups", f"{info['hits']:,} blocks hit, {info['misses']:,} lookups stopped "
                                 f"short at a miss (hit rate {rate})"))
@@ -269,9 +331,6 @@ def format_text(info: dict) -> str:
                           "re-admits it)")
             rows.append((f"device{dv['device']}", f"{dv['path']}: {state}, "
                          f"{dv['capacity_slots']:,} slots, used {used}, {io}"))
-    pid = info["writer_pid"]
-    rows.append(("writer", "none (nobody holds the writer lock)" if pid is None
-                 else f"pid {pid} holds the writer lock" if pid > 0
-                 else "held by a process whose pid is unknown"))
+    rows.extend(_engine_rows(info))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -30,6 +30,16 @@ could never be hit). At the end the warmed blocks are made the most recently use
 input order (first prompt, or the source's hottest block, most recent), each chain head
 before its tail, so eviction later takes chains from the tail. `--dry-run` opens STORE
 read-only and reports what would be written.
+
+Next to serving engines: warmup attaches to STORE as an engine of its own (a lease of
+kind "warmup", `kvstore.shared`) and writes while they serve; what it commits they find
+at once (their lookups fall back to the index for keys their tables have not seen).
+Without `--allow-evict-hotter` the free-slot count is read again before each batch, since
+the engines take free slots too; a batch reserved at the very moment an engine takes the
+last free slots can still evict a few least recently used entries (the index has no
+reservation that refuses to evict). `evictions` counts warmup's own. Only an offline
+repair (`kvstore fsck --repair`, which holds the store exclusively) makes warmup wait:
+it is refused with StoreLocked saying so.
 """
 from __future__ import annotations
 
@@ -38,7 +48,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from kvstore.engine import DiskStore, WriterLock
+from kvstore.engine import DiskStore
 from kvstore.errors import ConfigError, KVStoreError, StoreFull, StoreLocked
 from kvstore.layout import check_layout, format_size, read_fingerprint
 
@@ -226,9 +236,18 @@ class _Copier:
         self.allow_evict = allow_evict_hotter
         self.chunk = chunk_blocks
         self.bpb = block_bytes_all_ranks
-        st = dst.stats()
-        self.free_left = st["free_slots"]
-        self.evictions0 = st["evictions"]
+        self.free_left = dst.stats()["free_slots"]
+        self.evicted = 0
+        if not dry_run:
+            # count this run's evictions (the store's counter has the engines' too): every
+            # reservation (DiskStore.put's included) goes through dst.reserve
+            reserve = dst.reserve
+
+            def counted(keys):
+                refs, evicted = reserve(keys)
+                self.evicted += len(evicted)
+                return refs, evicted
+            dst.reserve = counted
         self.full = False
         self.order: list[bytes] = []        # warmed keys, hottest first (for the final touch)
         self._planned: set[bytes] = set()   # dry run: keys counted as written already
@@ -269,6 +288,9 @@ class _Copier:
         while pos < len(need) and not self.full:
             part = need[pos:pos + self.chunk]
             if not self.allow_evict:
+                if not self.dry_run:
+                    # other engines take (and give back) free slots while warmup runs
+                    self.free_left = self.dst.stats()["free_slots"]
                 if self.free_left <= 0:
                     self.full = True
                     break
@@ -356,7 +378,7 @@ class _Copier:
         order = list(dict.fromkeys(self.order))
         for part in reversed(list(_chunks(order, 50_000))):
             self.dst.touch(part)
-        self.sm.evictions = self.dst.stats()["evictions"] - self.evictions0
+        self.sm.evictions = self.evicted
 
 
 def warmup(store: str, prompts: str | None = None, *, from_store: str | None = None,
@@ -365,8 +387,10 @@ def warmup(store: str, prompts: str | None = None, *, from_store: str | None = N
            chunk_blocks: int = 64, progress=None, group: int = 0,
            connector_config: dict | None = None, engine_args: dict | None = None,
            capacity: str | int | None = None) -> Summary:
-    """Fill `store`; returns the Summary. Raises KVStoreError subclasses for user errors
-    (StoreLocked when a server holds the store, LayoutMismatch for another layout)."""
+    """Fill `store`; returns the Summary. Runs next to engines serving from `store` (it
+    attaches as one, kind "warmup"). Raises KVStoreError subclasses for user errors
+    (StoreLocked while an offline repair holds the store, LayoutMismatch for another
+    layout)."""
     if (from_store is None) == (model is None):
         raise ConfigError("choose one source: --from-store SRC or --model M")
     if all_blocks and from_store is None:
@@ -394,9 +418,9 @@ def warmup(store: str, prompts: str | None = None, *, from_store: str | None = N
             raise ConfigError(f"--capacity sizes a new store, and {store} exists already; leave it out "
                               "(or warm a new directory)")
         try:
-            dst = DiskStore(store, readonly=dry_run, io=not dry_run)
-        except StoreLocked as exc:
-            raise _held(store, exc.pid) from None
+            dst = DiskStore(store, readonly=dry_run, io=not dry_run, kind="warmup")
+        except StoreLocked:
+            raise _repairing(store) from None
         try:
             check_layout(dst.path, dst.layout, src.layout)
             sm = Summary(store=dst.path, source=f"store {src.path}", dry_run=dry_run,
@@ -431,13 +455,24 @@ def warmup(store: str, prompts: str | None = None, *, from_store: str | None = N
         src.close()
 
 
-def _held(store: str, pid: int | None) -> StoreLocked:
+def _repairing(store: str) -> StoreLocked:
     return StoreLocked(
-        f"kvstore warmup writes into {store} and needs its writer lock, which another process "
-        f"(pid {pid}, usually the vLLM server using this store) holds. Stop that process, run "
-        "warmup, then start it again: it serves every block warmup wrote. Alternatively warm "
-        "a copy (or a new store) and point the next server at it. `kvstore warmup --dry-run` "
-        "works while the server runs.", pid=pid)
+        f"kvstore warmup cannot write into {store} now: an offline repair (`kvstore fsck "
+        "--repair` or `--rebuild-index`) holds the store exclusively. Run warmup again once it "
+        "has finished (warmup runs next to serving engines, never next to a repair); "
+        "`kvstore warmup --dry-run` works meanwhile.")
+
+
+def _check_not_repairing(store: str) -> None:
+    """StoreLocked (saying so) while an offline repair holds `store`: the engine's
+    connector would meet it deep inside vLLM's start-up, where it reads as an engine
+    failure. Engines serving from the store are no obstacle (warmup attaches next to
+    them)."""
+    from kvstore.shared import StoreLock
+    try:
+        StoreLock(os.path.abspath(store)).release()
+    except StoreLocked:
+        raise _repairing(store) from None
 
 
 def _bar(progress, desc, total, unit):
@@ -527,13 +562,9 @@ def _warmup_model(store, prompts, model, *, tokenizer, fmt, dry_run, progress, g
     items = read_prompts(prompts, fmt)
     tok = _Tokenizer(tokenizer or model)
     t0 = time.perf_counter()
-    if not dry_run:
-        # The engine's connector takes the writer lock deep inside vLLM's start-up, where
-        # a StoreLocked would surface as an engine failure: say it here, plainly.
-        pid = WriterLock.holder(os.path.abspath(store))
-        if pid is not None:
-            raise _held(store, pid)
     exists = os.path.lexists(os.path.join(store, "kvstore.json"))
+    if exists and not dry_run:
+        _check_not_repairing(store)
     if not exists and dry_run:
         raise ConfigError(f"{store} does not exist yet: a dry run has nothing to compare with (run without "
                           "--dry-run and with --capacity to create it)")
