@@ -544,6 +544,8 @@ class DiskStore:
 
     def reserve(self, keys: Sequence[bytes]) -> tuple[list[SlotRef], list[Entry]]:
         """Reserve one slot per new key, evicting LRU unpinned entries; StoreFull if impossible."""
+        if self.lease is not None:      # a dead engine's pins and reservations go first
+            self.lease.reap(self._reclaim)
         pinned = self._pins.keys() if self.lease is None else _SharedClaim(self._pins.keys(), self.lease)
         items, evicted = self._writable().reserve(list(keys), pinned)
         return [SlotRef(k, s, g) for k, s, g in items], evicted

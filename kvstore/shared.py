@@ -125,8 +125,43 @@ def _probe(path: str) -> tuple[int | None, bool]:
     return fd, False
 
 
-def read_lease(path: str, *, pins: bool = False) -> EngineInfo | None:
-    """What a lease file says, and whether its owner lives; None if it is not a lease."""
+class _AttachShared:
+    """engines/ATTACH held shared while a liveness probe takes a lease's lock: the attach
+    and reap sections hold it exclusive, so a probe by a tool never makes an attaching
+    engine's own probe fail (it would count a dead engine as alive)."""
+
+    def __init__(self, lease_path: str):
+        self.fd = None
+        try:
+            self.fd = os.open(os.path.join(os.path.dirname(lease_path), "ATTACH"),
+                              os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            pass
+
+    def __enter__(self):
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_SH)
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)       # drops the lock
+
+
+def _alive(fd: int, path: str) -> bool:
+    """Whether the lease open at fd has a live owner (its exclusive lock is held)."""
+    with _AttachShared(path):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+
+
+def read_lease(path: str, *, pins: bool = False, probe: bool = True) -> EngineInfo | None:
+    """What a lease file says, and (with `probe`) whether its owner lives; None if it is
+    not a lease. Without `probe` (inside the attach section) `alive` is left True."""
     try:
         fd = _open_nofollow(path, os.O_RDONLY)
     except (FileNotFoundError, KVStoreError):
@@ -138,12 +173,7 @@ def read_lease(path: str, *, pins: bool = False) -> EngineInfo | None:
         w = struct.unpack("<6Q", raw)
         if w[L_MAGIC] != MAGIC_LEASE:
             return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            alive = False
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        except BlockingIOError:
-            alive = True
+        alive = _alive(fd, path) if probe else True
         info = EngineInfo(pid=w[L_PID], start_ticks=w[L_START], started=w[L_STARTED_US] / 1e6,
                           kind=KINDS.get(w[L_KIND], "engine"), path=path, alive=alive)
         if pins:
@@ -303,7 +333,7 @@ class Lease:
         for p in _lease_files(self.store_dir):
             if p == self.path:
                 continue
-            info = read_lease(p)
+            info = read_lease(p, probe=False)     # we hold ATTACH: probe below
             fd, live = _probe(p)
             if live:
                 alive += 1
@@ -353,6 +383,8 @@ class Lease:
                 try:
                     if os.fstat(fd).st_size < HDR + 4 * self.capacity:
                         continue        # still being created
+                    if not _alive(fd, p):
+                        continue        # a dead engine's pins protect nothing
                     m = SharedMap(fd, HDR + 4 * self.capacity, False)
                 finally:
                     os.close(fd)
