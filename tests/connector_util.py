@@ -154,7 +154,7 @@ def settle(h, timeout_s: float = 30.0) -> None:
     raise AssertionError(f"kvstore connector still has work in flight after {timeout_s}s")
 
 
-_STORE_OWN = re.compile(r"/(LOCK|index/(data|lock)\.mdb|rank\d+/slots-\d{4}\.kvs)$")
+_STORE_OWN = re.compile(r"/(LOCK|index/(data|lock)\.mdb|rank\d+/slots-\d{4}\.kvs|engines/\d+-\d+\.lease)$")
 
 
 def assert_store_fds_only(h, before: set[str], store: str) -> None:

@@ -3,8 +3,10 @@
 Each tool is a library function returning a JSON-able result (used by the CLI in
 `kvstore/cli.py` and by the tests) plus a text formatter. Tools go through the engine
 API (`DiskStore`, `RankIO`, `WriterLock`, `Index`), never around it: no raw LMDB access,
-no hand-parsed slot files. Read-only tools never take the writer lock, so they are safe
-next to a running server.
+no hand-parsed slot files. Read-only tools (`info`, `fsck` without `--repair`) take no
+lock, so they are safe next to running engines; `warmup` attaches as one more engine; a
+repair takes the store exclusively (`WriterLock`) and is refused while engines are
+attached.
 
 This module holds what they share: a progress reporter that draws a tqdm bar on a
 terminal and prints plain lines (at most every few seconds) when stderr is not a TTY.
