@@ -527,16 +527,38 @@ class DiskStore:
         return self._idx().lookup(key)
 
     def pin(self, slots: Iterable[int]) -> None:
-        """Protect slots from eviction until unpinned (counted: pin twice, unpin twice)."""
+        """Protect slots from eviction until unpinned (counted: pin twice, unpin twice).
+        Attached to a shared store, the pins are in this engine's lease too, where the
+        other engines' evictions see them."""
+        slots = list(slots)
         self._pins.update(slots)
+        if self.lease is not None and slots:
+            self.lease.pins.add32(slots, 1)
 
     def unpin(self, slots: Iterable[int]) -> None:
+        gone = []
         for s in slots:
             c = self._pins.get(s, 0)
+            if c == 0:
+                continue
+            gone.append(s)
             if c <= 1:
                 self._pins.pop(s, None)
             else:
                 self._pins[s] = c - 1
+        if self.lease is not None and gone:
+            self.lease.pins.add32(gone, -1)
+
+    def _still_standing(self, entries: list) -> list:
+        """After pinning them: the longest prefix of entries whose slots still hold their
+        generations (another engine may have evicted one just before the pin)."""
+        sm = self.shared_slots
+        if sm is None or sm.load(3) != 1:       # not shared, or the array is being built
+            return entries
+        for i, e in enumerate(entries):
+            if sm.generation(e.slot) != e.generation:
+                return entries[:i]
+        return entries
 
     @property
     def pinned_slots(self) -> int:
@@ -634,8 +656,15 @@ class DiskStore:
         if not entries:
             self.count_hits(0, 1)
             return {}
+        self.pin(e.slot for e in entries)
+        kept = self._still_standing(entries)
+        if len(kept) < len(entries):
+            self.unpin(e.slot for e in entries[len(kept):])
+            entries = kept
+            if not entries:
+                self.count_hits(0, 1)
+                return {}
         refs = [SlotRef(e.key, e.slot, e.generation) for e in entries]
-        self.pin(r.slot for r in refs)
         out: dict[bytes, list] = {r.key: [] for r in refs}
         bad: set[int] = set()
         try:

@@ -53,12 +53,14 @@ cdef extern from *:
     #define KT_STORE64(p, v) __atomic_store_n((p), (v), __ATOMIC_SEQ_CST)
     #define KT_ADD64(p, v) __atomic_add_fetch((p), (v), __ATOMIC_SEQ_CST)
     #define KT_LOAD32(p) __atomic_load_n((p), __ATOMIC_SEQ_CST)
+    #define KT_ADD32(p, v) __atomic_add_fetch((p), (v), __ATOMIC_SEQ_CST)
     #define KT_FENCE() __atomic_thread_fence(__ATOMIC_SEQ_CST)
     """
     uint64_t KT_LOAD64(uint64_t *p) nogil
     void KT_STORE64(uint64_t *p, uint64_t v) nogil
     uint64_t KT_ADD64(uint64_t *p, uint64_t v) nogil
     uint32_t KT_LOAD32(uint32_t *p) nogil
+    uint32_t KT_ADD32(uint32_t *p, uint32_t v) nogil
     void KT_FENCE() nogil
 
 cdef extern from *:
@@ -196,6 +198,26 @@ cdef class SharedMap:
                 with nogil:
                     usleep(yield_us)
         return count
+
+    def add32(self, list slots, int delta):
+        """A pin map outside a KeyTable: atomically add delta (+1 or -1) to the u32 count
+        of each slot (sequentially consistent: a later generation check is ordered after
+        it). A count never goes below 0."""
+        if not self.writable:
+            raise ValueError("SharedMap is read-only")
+        cdef uint64_t cap = (self.nbytes - SHARED_HDR) // 4
+        cdef uint32_t *a = <uint32_t *>(self.p + SHARED_HDR)
+        cdef object x
+        cdef uint64_t v
+        for x in slots:
+            if <uint64_t>x >= cap:
+                raise IndexError(f"slot {x} out of the map")
+        for x in slots:
+            v = <uint64_t>x
+            if delta > 0:
+                KT_ADD32(&a[v], 1)
+            elif KT_LOAD32(&a[v]) > 0:
+                KT_ADD32(&a[v], <uint32_t>0xFFFFFFFF)
 
     def try_clear(self, uint64_t slot, list peers):
         """An eviction's claim outside a KeyTable (a slots map): clear the slot's
