@@ -12,6 +12,13 @@ a short transfer is resubmitted for its remainder, EAGAIN/EINTR are retried, and
 failure becomes that op's negative errno in the result array. Buffers are therefore never
 left referenced by the kernel when the call returns, even when it raises.
 
+The submit/reap loop never takes the GIL, not even when io_uring_enter fails: it enters
+the kernel through csrc/kvstore_enter.h (liburing's submit-and-wait, returning -errno)
+rather than the `liburing` binding's wrappers, which raise OSError (with the GIL) on every
+negative result. EINTR (a signal), EAGAIN and EBUSY (the kernel short of requests, a
+completion queue to flush) are resumed inside the GIL-free loop; only another errno
+ends it, and is raised as OSError once the GIL is back.
+
 `slot_io` is the same loop for whole slots, with the slot codec (C functions of _slotfile,
 which owns the format) run per op inside the GIL-free section: a write's header is stamped
 (payload XXH3, header CRC) just before its first submission, and a read is checked the moment
@@ -24,6 +31,7 @@ import warnings
 
 import numpy as np
 cimport numpy as cnp
+cimport cython
 
 from cpython.mem cimport PyMem_Malloc, PyMem_Free
 from libc.errno cimport EAGAIN, EINTR, EIO, EBUSY, ENODATA
@@ -38,9 +46,11 @@ from kvstore.includes.uring cimport (
     __io_uring_sqe_set_data64, __io_uring_sqe_set_flags,
     __io_uring_cq_ready, __io_uring_cq_advance,
     __IOSQE_FIXED_FILE, __IORING_FSYNC_DATASYNC,
-    io_uring, io_uring_queue_init, io_uring_queue_exit, io_uring_submit, io_uring_submit_and_wait,
+    io_uring, io_uring_queue_init, io_uring_queue_exit,
     io_uring_register_buffers, io_uring_unregister_buffers,
     io_uring_register_files, io_uring_unregister_files, iovec,
+    kvs_submit_and_wait, kvs_wait_one, kvs_sq_unconsumed, kvs_pause, kvs_count,
+    kvs_stat,
 )
 from kvstore._hostbuf cimport HostBuffer
 from kvstore.includes.format cimport KVS_ALIGN
@@ -55,8 +65,45 @@ log = logging.getLogger("kvstore.ring")
 ALIGN = KVS_ALIGN
 REGISTER_PIECE = 1 << 30   # the kernel registers at most 1 GiB per buffer
 cdef uint64_t EARLY_SUBMIT_BYTES = 1 << 20   # checksum work that is worth a submit first
+cdef long RETRY_PAUSE_US = 50   # EAGAIN with none of our requests in the kernel: back off
 OPNAMES = ("read", "write", "fdatasync")
 _registration_warned = False
+ENTER_STATS = ("eintr", "eagain", "ebusy", "waits", "pauses")
+
+
+def enter_stats():
+    """Process-wide counts of the io_uring_enter failures the pump resumed from (eintr,
+    eagain, ebusy), and of how it resumed after EAGAIN/EBUSY when a reap found nothing
+    (waits: for one completion of a request the kernel holds; pauses: a 50 us sleep, none
+    held). For tests and diagnostics; counted without the GIL, atomically."""
+    return {name: int(kvs_stat(i)) for i, name in enumerate(ENTER_STATS)}
+
+
+cdef int _resume(Ring ring, Batch *b, int err) noexcept nogil:
+    """The pump's answer to io_uring_enter failing with errno `err`, without the GIL:
+    0 to go on with the batch (EINTR: retry; EAGAIN/EBUSY: reap, and if nothing was
+    reaped wait for a completion, or pause when the kernel holds none of ours), else
+    `err` (the caller raises it once it has the GIL)."""
+    cdef __io_uring *r = &ring._ring.ptr
+    cdef int ret
+    if err == EINTR:
+        kvs_count(0)
+        return 0
+    if err != EAGAIN and err != EBUSY:
+        return err
+    kvs_count(1 if err == EAGAIN else 2)
+    if ring._reap(b) > 0:
+        return 0
+    if b.inflight > <Py_ssize_t>kvs_sq_unconsumed(r):
+        # Some of ours are in the kernel's hands: their completions free what it lacks.
+        kvs_count(3)
+        ret = kvs_wait_one(r)
+        if ret < 0 and ret != -EINTR and ret != -EAGAIN and ret != -EBUSY:
+            return -ret
+    else:
+        kvs_count(4)
+        kvs_pause(RETRY_PAUSE_US)
+    return 0
 
 
 cdef int _batch_alloc(Batch *b, Py_ssize_t nops, Py_ssize_t nchecks) except -1:
@@ -302,6 +349,7 @@ cdef class Ring:
         """Name an fd for error messages."""
         self._fd_names[fd] = name
 
+    @cython.cdivision(True)   # b.n > 0: no division check, which would take the GIL to raise
     cdef int _fill(self, Batch *b) noexcept nogil:
         """Move queued ops into SQEs while the ring has room and depth allows; returns how
         many it prepared."""
@@ -428,46 +476,51 @@ cdef class Ring:
             else:
                 _check(w)
 
+    @cython.cdivision(True)
     cdef void _requeue(self, Batch *b, Py_ssize_t i) noexcept nogil:
         b.queue[(b.qhead + b.qlen) % b.n] = i
         b.qlen += 1
 
     cdef int _pump_nogil(self, Batch *b) except -1 nogil:
-        """The whole submit/reap loop, without the GIL; raises only if the kernel call
-        itself fails (the GIL is taken just to raise). Read slots that completed are
-        checked only after the queue has been topped up and handed to the kernel, so the
-        device does not wait on the checksums."""
-        cdef int filled
+        """The whole submit/reap loop, without the GIL and never taking it: returns 0
+        when the batch is done, or the (positive) errno of an io_uring_enter failure it
+        does not resume from (see `_resume`; the caller raises it). Read slots that
+        completed are checked only after the queue has been topped up and handed to the
+        kernel, so the device does not wait on the checksums."""
+        cdef __io_uring *r = &self._ring.ptr
+        cdef int filled, ret, err
         while b.completed < b.n or b.nchecks > 0:
             filled = self._fill(b)
             if b.nchecks > 0:
                 # Checksums worth more than a syscall (>= 1 MiB pending): hand the refills
-                # to the kernel first, so the device is not short of work meanwhile. One
-                # submit per batch of checks, never per slot: liburing's entry points may
-                # take the GIL to check for errors, and another thread may hold it.
+                # to the kernel first, so the device is not short of work meanwhile (one
+                # submit per batch of checks, never per slot). A refused submit is left
+                # to the next submit-and-wait, which hands over the same SQEs.
                 if (filled and b.checks[0].verify == 2
                         and <uint64_t>b.nchecks * b.checks[0].payload_len >= EARLY_SUBMIT_BYTES):
-                    io_uring_submit(self._ring)
+                    ret = kvs_submit_and_wait(r, 0)
+                    if ret < 0 and ret != -EINTR and ret != -EAGAIN and ret != -EBUSY:
+                        return -ret
                 while b.nchecks > 0:
                     b.nchecks -= 1
                     _check(b.checks[b.nchecks])
             else:
-                io_uring_submit_and_wait(self._ring, 1)
+                ret = kvs_submit_and_wait(r, 1)
+                if ret < 0:
+                    err = _resume(self, b, -ret)
+                    if err:
+                        return err
             self._reap(b)
         return 0
 
     cdef int _pump(self, Batch *b) except -1:
-        """Drive the batch to completion in one GIL-free section; EINTR/EAGAIN/EBUSY from
-        io_uring_enter (a signal, a full completion queue) resume the same batch."""
-        while b.completed < b.n or b.nchecks > 0:
-            try:
-                with nogil:
-                    self._pump_nogil(b)
-            except OSError as exc:
-                if exc.errno not in (EINTR, EAGAIN, EBUSY):
-                    raise
-                with nogil:
-                    self._reap(b)
+        """Drive the batch to completion in one GIL-free section (EINTR/EAGAIN/EBUSY from
+        io_uring_enter are resumed inside it); any other kernel error raises OSError."""
+        cdef int err
+        with nogil:
+            err = self._pump_nogil(b)
+        if err:
+            raise OSError(err, f"io_uring_enter failed: {os.strerror(err)}")
         return 0
 
     cdef int _init_op(self, Op *op, int opcode, int fd, uint64_t offset) except -1:
@@ -571,16 +624,15 @@ cdef class Ring:
         kernel is done with their buffers (queue_exit alone would return before in-flight
         block I/O ends, and the caller may free or reuse that memory), then close."""
         cdef int tries = 0
+        cdef int ret
+        cdef __io_uring *r = &self._ring.ptr
         b.qlen = 0   # submit nothing more
-        while b.inflight > 0 and tries < 10000:
-            tries += 1
-            try:
-                with nogil:
-                    io_uring_submit_and_wait(self._ring, 1)
-                    self._reap(b)
-            except OSError:
-                with nogil:
-                    self._reap(b)
+        with nogil:
+            while b.inflight > 0 and tries < 10000:
+                tries += 1
+                ret = kvs_submit_and_wait(r, 1)   # also hands over SQEs already prepared
+                if self._reap(b) == 0 and ret < 0 and ret != -EINTR:
+                    kvs_pause(RETRY_PAUSE_US)    # bounded: 10000 tries of >= 50 us
         self.close()
 
     def slot_io(self, int opcode, fds, offsets, hdr_addrs, payload_addrs, unsigned int io_len,

@@ -37,6 +37,11 @@ class _LoadState:
     started: float
     done: bool = False
     cancelled: bool = False
+    # Past load_timeout_s while the I/O thread held `lock` (copying blocks of it into the
+    # KV cache): set by the step thread without the lock. The I/O thread starts no further
+    # copy for it and cancels it; the step thread reports it at its first look after the
+    # copy in progress ended (those blocks cannot go back to vLLM while it may still write).
+    timed_out: bool = False
     after: int = 0        # copy ticket: the compute stream's work before this step
     failed_idx: set = field(default_factory=set)   # blocks vLLM recomputes
     bad_idx: set = field(default_factory=set)      # of those, blocks whose entry is dropped
@@ -340,6 +345,10 @@ class KVStoreWorker:
                     g[2].append(st.job.block_ids[i])
             for st, stage_ids, block_ids, count in groups.values():
                 with st.lock:
+                    if st.timed_out and not st.cancelled:
+                        # Timed out during an earlier copy of it: copy nothing more; the
+                        # step thread reports every block failed (vLLM recomputes them).
+                        st.cancelled = True
                     if not st.cancelled and stage_ids:   # timed out: vLLM recomputes, hands off
                         after, st.after = st.after, 0
                         self.transfer.wait(self.transfer.scatter(stage_ids, block_ids, after))
@@ -391,18 +400,31 @@ class KVStoreWorker:
         with self._lock:
             items = list(self._loads.items())
         for req_id, st in items:
+            expired = not st.done and now - st.started > self.cfg.load_timeout_s
             # The I/O thread holds st.lock while it copies into the KV cache: never wait
             # for it here (the step thread must not wait for the GPU); look again next step.
+            # Its blocks cannot be handed back to vLLM while that copy may still write into
+            # them, so a load that times out meanwhile is only marked: the I/O thread
+            # copies nothing more for it, and it is reported at the first look after the
+            # copy in progress (a stall in the ring holds no lock: reported at once).
             if not st.lock.acquire(blocking=False):
+                if expired and not st.timed_out:
+                    st.timed_out = True
+                    log.warning("kvstore rank %d: load of request %s timed out after %.1fs "
+                                "while its blocks were being copied into the KV cache; "
+                                "recomputing it once that copy ends", self.rank, req_id,
+                                self.cfg.load_timeout_s)
                 continue
             try:
-                if not st.done and now - st.started > self.cfg.load_timeout_s:
+                if expired:
                     # Stalled I/O: give up; vLLM recomputes these blocks, and the I/O
                     # thread will not touch them any more (cancelled under st.lock).
+                    if not st.timed_out and not st.cancelled:
+                        log.warning("kvstore rank %d: load of request %s timed out after "
+                                    "%.1fs; recomputing", self.rank, req_id,
+                                    self.cfg.load_timeout_s)
                     st.cancelled = True
                     st.failed_idx = set(range(len(st.job.block_ids)))
-                    log.warning("kvstore rank %d: load of request %s timed out after %.1fs; "
-                                "recomputing", self.rank, req_id, self.cfg.load_timeout_s)
                 elif not st.done:
                     continue
             finally:

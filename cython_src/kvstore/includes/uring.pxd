@@ -1,7 +1,7 @@
 # The C boundary of kvstore's I/O core, in one place.
 #
 # Static-inline helpers of liburing.h are called directly (they compile into our module);
-# the library's non-inline entry points (queue init/exit, submit, register) are reached
+# the library's non-inline entry points (queue init/exit, register) are reached
 # through the `cpdef` functions of the `liburing` binding, which resolve through Cython
 # capsules at import, so nothing is linked. Never `cimport *` from liburing.lib.uring:
 # it retypes size_t.
@@ -15,10 +15,23 @@ from liburing.lib.uring cimport (
     __IOSQE_FIXED_FILE, __IORING_FSYNC_DATASYNC,
 )
 from liburing.queue cimport (
-    io_uring, io_uring_queue_init, io_uring_queue_exit, io_uring_submit, io_uring_submit_and_wait,
+    io_uring, io_uring_queue_init, io_uring_queue_exit,
 )
 from liburing.register cimport (
     io_uring_register_buffers, io_uring_unregister_buffers,
     io_uring_register_files, io_uring_unregister_files,
 )
 from liburing.common cimport iovec
+
+
+# kvstore's own io_uring_enter (csrc/kvstore_enter.h): liburing 2.6's submit-and-wait as a
+# static-inline function that returns -errno and never touches Python, so the pump's
+# kernel calls need no GIL even when they fail (the binding's wrappers raise OSError, with
+# the GIL, on every negative result).
+cdef extern from "kvstore_enter.h" nogil:
+    int kvs_submit_and_wait(__io_uring *ring, unsigned int wait_nr) noexcept
+    int kvs_wait_one(__io_uring *ring) noexcept
+    unsigned int kvs_sq_unconsumed(__io_uring *ring) noexcept
+    void kvs_pause(long usec) noexcept
+    void kvs_count(int which) noexcept
+    unsigned long long kvs_stat(int which) noexcept
