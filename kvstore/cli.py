@@ -77,11 +77,15 @@ def bench_index(entries, directory, as_json):
 
 @bench.command("peers")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
-              help="Directory on the device to measure (default: a temporary directory).")
+              help="Directory on the device to measure, or several comma-separated (A,B,C: one "
+                   "per device; kvstore stripes a store over them, fio runs a job on each at once, "
+                   "the one-thread baseline a thread on each, vLLM's fs tier, which takes one "
+                   "root, the first). Default: a temporary directory.")
 @click.option("--block-sizes", default="128K,512K,2M", show_default=True,
               help="Comma-separated block sizes (bytes of payload per block).")
 @click.option("--size", default="1G", show_default=True,
-              help="Total bytes per system per block size (stored, then loaded).")
+              help="Total bytes per system per block size (stored, then loaded; split evenly "
+                   "over several directories).")
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, 50),
               help="Alternating rounds; medians are reported.")
 @click.option("--queue-depth", default=32, show_default=True, type=click.IntRange(1, 4096))

@@ -377,7 +377,7 @@ class MultiDirFio:
         for i, p in enumerate(self.paths):
             args += [f"--name={rw}{i}", f"--filename={p}"]
         out = subprocess.run(args, capture_output=True, text=True, check=True)
-        jobs = json.loads(out.stdout[out.stdout.index("{"):])["jobs"]
+        self.jobs = jobs = json.loads(out.stdout[out.stdout.index("{"):])["jobs"]
         parts = [j["write" if rw == "write" else "read"] for j in jobs]
         secs = max(p["runtime"] for p in parts) / 1000.0
         self.dev_bytes = [p["io_bytes"] for p in parts]

@@ -31,6 +31,31 @@ p50/p99 time to load one prefix of `prefix_blocks` blocks while another thread s
 blocks as fast as the system takes them (what a request waiting on the disk tier feels as
 TTFT). Rounds alternate between systems (A B C D A B C D ...); bandwidth and CPU are medians
 over rounds, prefix latencies are percentiles over the samples of every round.
+
+Several directories (`--dir A,B,C`, one per device; as `kvstore bench io`): `--size` is the
+total per system, split evenly over the directories, and each system uses them the closest
+fair way it allows:
+
+- kvstore: one store over all of them (`DiskStore.create(..., data_dirs=[...])`: slot s on
+  directory s % D, one io_uring ring per directory; the store directory, with the index,
+  is on the first).
+- fio: one job per directory, all at once in one fio process (io_bench.MultiDirFio, with
+  its registered buffers and files); CPU is the usr+sys of every job.
+- one_thread: one blocking thread per directory, each on its own file with 1/D of the
+  blocks (io_bench.MultiDirThreads); a prefix's blocks alternate over the directories and
+  its load is one thread per directory reading its share; the background stores are one
+  thread per directory too.
+- vllm_fs: the first directory only. FileSystemTierManager takes one `root_dir`, and
+  vLLM has no way to stripe one tier's blocks over several: listing several fs tiers in
+  `secondary_tiers` makes TieringOffloadingManager cascade every stored block to every tier
+  (a copy per directory, not a share) and load from the first tier that has it. A vLLM
+  user with several devices therefore configures one fs tier on one of them (or puts the
+  root on an md/LVM stripe below the file system, which is no longer this benchmark's
+  directories); the table and JSON say so (`config.vllm_fs_dirs`).
+
+With several directories the result also has `per_device` (per block size, a row per
+directory: each system's store and load GB/s there; their sum over the rows is the
+system's total).
 """
 from __future__ import annotations
 
@@ -49,7 +74,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from kvstore.bench.io_bench import Fio, OneThread, drop_page_cache
+from kvstore.bench.io_bench import (Fio, MultiDirFio, MultiDirThreads, OneThread, _parse_dirs,
+                                     drop_page_cache)
 from kvstore.errors import KVStoreError
 from kvstore.layout import format_size, parse_size
 
@@ -158,9 +184,17 @@ class KVStoreSystem:
         # LRU blocks, never the hot prefix (touched on every load, pinned while it loads).
         capacity = (ctx.nblocks + 4 * self.staging_slots + ctx.prefix) * slot
         self.path = os.path.join(ctx.directory, f"kvstore-peers-{ctx.block}")
-        shutil.rmtree(self.path, ignore_errors=True)
+        # Several directories: one store striped over all of them (a data directory on each,
+        # the store directory with the index on the first), as `kvstore bench io` does.
+        self.data = ([os.path.join(d, f"kvstore-peers-data-{ctx.block}") for d in ctx.dirs]
+                     if len(ctx.dirs) > 1 else None)
+        for p in [self.path] + (self.data or []):
+            shutil.rmtree(p, ignore_errors=True)
+        for p in self.data or []:
+            os.mkdir(p, 0o700)
         io_mode = "page_cache" if ctx.page_cache else "direct"
-        self.store = DiskStore.create(self.path, self.layout, capacity, io_mode=io_mode)
+        self.store = DiskStore.create(self.path, self.layout, capacity, io_mode=io_mode,
+                                      data_dirs=self.data)
         kw = dict(layout=self.layout, io_mode=io_mode, queue_depth=ctx.qd,
                   staging_bytes=ctx.staging_bytes)
         self.rio = RankIO(self.path, 0, **kw)
@@ -173,14 +207,13 @@ class KVStoreSystem:
                       file=sys.stderr)
         self.lock = threading.Lock()  # the Index has one owner at a time (the scheduler)
         self.round = 0
+        self._dev = {}
         self._prefill()
 
     def _prefill(self):
         """Write every slot file once, untimed, and make it durable (see the module doc)."""
-        from kvstore.engine import slot_file_path
         zeros = bytes(64 << 20)
-        for i in range(self.rio.geometry.num_files):
-            path = slot_file_path(self.path, 0, i)
+        for path in [f.path for f in self.rio.files]:  # every device's slot files
             size = os.path.getsize(path)
             with open(path, "r+b", buffering=0) as f:
                 for off in range(0, size, len(zeros)):
@@ -236,17 +269,29 @@ class KVStoreSystem:
         ctx = self.ctx
         self.round += 1
         self.keys = _keys(f"k{self.round}", 0, ctx.nblocks)
+        self.rio.io_bytes[:] = 0
         for first in range(0, ctx.nblocks, self.staging_slots):
             self._store(self.rio, self.keys[first:first + self.staging_slots], first)
+        self._dev["store"] = self.rio.io_bytes[:, 1].copy()
 
     def load_phase(self):
         ctx = self.ctx
         # One request per prefix, all arriving together (the fs tier gets them as jobs
         # submitted at once to its pool; kvstore's I/O thread batches queued loads).
+        self.rio.io_bytes[:] = 0
         self._load(self.rio, [self.keys[f:f + ctx.prefix] for f in range(0, ctx.nblocks, ctx.prefix)], 0)
+        self._dev["load"] = self.rio.io_bytes[:, 0].copy()
         got = ctx.dst[:ctx.nblocks]
         if not np.array_equal(got[:, :64], ctx.src[:ctx.nblocks, :64]):
             raise KVStoreError("kvstore loaded bytes that differ from what it stored")
+
+    def dev_bytes(self, phase):
+        """Payload bytes of the last `phase` ("store"/"load") on each directory: the
+        phase's payload split as the ring bytes kvstore moved on each device."""
+        moved = self._dev[phase]
+        total = int(moved.sum())
+        size = self.ctx.nblocks * self.block
+        return [size * int(b) / total if total else 0.0 for b in moved]
 
     def prefix_test(self, samples):
         ctx = self.ctx
@@ -273,7 +318,8 @@ class KVStoreSystem:
         for r in (self.rio, self.bg_rio):
             r.close()
         self.store.close()
-        shutil.rmtree(self.path, ignore_errors=True)
+        for p in [self.path] + (self.data or []):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 class VllmFsSystem:
@@ -426,6 +472,10 @@ class VllmFsSystem:
         self.finished.clear()
         shutil.rmtree(self.root, ignore_errors=True)
 
+    def dev_bytes(self, phase):
+        """Everything on the first directory (its one root_dir; see the module doc)."""
+        return [self.ctx.nblocks * self.block] + [0] * (len(self.ctx.dirs) - 1)
+
     def close(self):
         self.end_round()
         self.view.release()
@@ -500,6 +550,93 @@ class OneThreadSystem:
         pass
 
 
+class OneThreadPerDirSystem:
+    """Several directories: the one_thread pattern once per directory, each thread on its
+    own file with 1/D of the blocks (io_bench.MultiDirThreads); block j of a prefix is
+    block j // D of directory j % D."""
+
+    name = "one_thread"
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.direct = not ctx.page_cache
+        self.ndirs = len(ctx.dirs)
+
+    def store_phase(self):
+        ctx = self.ctx
+        self.ot = MultiDirThreads(ctx.dirs, ctx.nblocks * ctx.block, ctx.block, ctx.qd, self.direct)
+        self.ot.write()
+
+    def load_phase(self):
+        self.ot.read()
+
+    def dev_bytes(self, phase):
+        return [p.nblocks * p.block for p in self.ot.parts]
+
+    def prefix_test(self, samples):
+        from concurrent.futures import ThreadPoolExecutor
+        ctx, n = self.ctx, self.ndirs
+        parts = self.ot.parts
+        bg_dirs = [os.path.join(d, "one-thread-bg") for d in ctx.dirs]
+        for d in bg_dirs:
+            os.makedirs(d, exist_ok=True)
+        bgs = [OneThread(d, parts[0].nblocks * ctx.block, ctx.block, ctx.qd, self.direct) for d in bg_dirs]
+        per_dir = max(1, (ctx.staging_bytes // ctx.block) // n)
+        state = [0] * n
+
+        def bg_part(k):
+            bg = bgs[k]
+            for _ in range(per_dir):
+                i = state[k] % bg.nblocks
+                state[k] += 1
+                if os.pwritev(bg.fd, [bg.mv], i * bg.block) != bg.block:
+                    raise OSError("short write in baseline")
+            os.fdatasync(bg.fd)
+
+        def load_part(k):
+            fg = parts[k]
+            for j in range(k, ctx.prefix, n):
+                if os.preadv(fg.fd, [fg.mv], (j // n) * fg.block) != fg.block:
+                    raise OSError("short read in baseline")
+
+        fg_pool = ThreadPoolExecutor(n, thread_name_prefix="peers-1t-load")
+        bg_pool = ThreadPoolExecutor(n, thread_name_prefix="peers-1t-store")
+
+        def bg_step():
+            list(bg_pool.map(bg_part, range(n)))
+            return per_dir * n * ctx.block
+
+        try:
+            return _prefix_samples(lambda: list(fg_pool.map(load_part, range(n))), bg_step, samples)
+        finally:
+            fg_pool.shutdown()
+            bg_pool.shutdown()
+            for bg, d in zip(bgs, bg_dirs):
+                bg.close()
+                os.rmdir(d)
+
+    def end_round(self):
+        self.ot.close()
+
+    def close(self):
+        pass
+
+
+class MultiDirFioCPU(MultiDirFio):
+    """io_bench.MultiDirFio (a job per directory, all at once), also keeping the usr+sys
+    CPU seconds fio reports for every job."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.cpu_s = 0.0
+
+    def _run(self, rw):
+        rate = super()._run(rw)
+        self.cpu_s += sum((j["usr_cpu"] + j["sys_cpu"]) / 100.0 * j["job_runtime"] / 1000.0
+                          for j in self.jobs)
+        return rate
+
+
 class FioCPU(Fio):
     """io_bench.Fio, also keeping fio's reported usr+sys CPU seconds of each run."""
 
@@ -526,7 +663,9 @@ def _timed(fn):
 
 def _one_size(ctx, systems, rounds, samples, log):
     size = ctx.nblocks * ctx.block
-    samp = {s: {"store": [], "load": [], "cpu": [], "lat": [], "bg": []} for s in systems}
+    multi = len(ctx.dirs) > 1
+    samp = {s: {"store": [], "load": [], "cpu": [], "lat": [], "bg": [], "dev_store": [], "dev_load": []}
+            for s in systems}
     objs = {}
     try:
         for s in systems:
@@ -535,12 +674,15 @@ def _one_size(ctx, systems, rounds, samples, log):
             elif s == "vllm_fs":
                 objs[s] = VllmFsSystem(ctx)
             elif s == "one_thread":
-                objs[s] = OneThreadSystem(ctx)
+                objs[s] = OneThreadPerDirSystem(ctx) if multi else OneThreadSystem(ctx)
         for rnd in range(rounds):
             for s in systems:
                 log(f"  {format_size(ctx.block)} round {rnd + 1}/{rounds}: {s}")
                 if s == "fio":
-                    f = FioCPU(ctx.directory, size, ctx.block, ctx.qd, not ctx.page_cache)
+                    if multi:  # a job per directory, all at once
+                        f = MultiDirFioCPU(ctx.dirs, size, ctx.block, ctx.qd, not ctx.page_cache)
+                    else:
+                        f = FioCPU(ctx.directory, size, ctx.block, ctx.qd, not ctx.page_cache)
                     try:
                         w = f.write()
                         drop_page_cache()
@@ -550,13 +692,21 @@ def _one_size(ctx, systems, rounds, samples, log):
                     samp[s]["store"].append(w / 1e9)
                     samp[s]["load"].append(r / 1e9)
                     samp[s]["cpu"].append(f.cpu_s / (2 * size / 1e9))
+                    if multi:
+                        nan = [float("nan")] * len(ctx.dirs)
+                        samp[s]["dev_store"].append(f.dev_gbps.get("write", nan))
+                        samp[s]["dev_load"].append(f.dev_gbps.get("read", nan))
                     continue
                 o = objs[s]
                 ctx.dst[:] = 0
                 try:
                     tw, cw = _timed(o.store_phase)
+                    if multi:
+                        samp[s]["dev_store"].append([b / tw / 1e9 for b in o.dev_bytes("store")])
                     drop_page_cache()
                     tr, cr = _timed(o.load_phase)
+                    if multi:
+                        samp[s]["dev_load"].append([b / tr / 1e9 for b in o.dev_bytes("load")])
                     drop_page_cache()
                     lat, bg = o.prefix_test(samples)
                 finally:
@@ -586,7 +736,16 @@ def _one_size(ctx, systems, rounds, samples, log):
         else:
             det[s]["prefix_samples"] = len(v["lat"])
             det[s]["background_store_gbps"] = statistics.median(v["bg"]) if v["bg"] else None
-    return res, det
+    rows = None
+    if multi:  # per directory: each system's median store/load rate there
+        rows = []
+        for i, d in enumerate(ctx.dirs):
+            row = {"dir": d}
+            for s, v in samp.items():
+                row[s] = {"store_gbps": statistics.median(x[i] for x in v["dev_store"]),
+                          "load_gbps": statistics.median(x[i] for x in v["dev_load"])}
+            rows.append(row)
+    return res, det, rows
 
 
 def targets(results: dict) -> list[dict]:
@@ -630,7 +789,10 @@ def run(directory: str | None = None, size="1G", block_sizes="128K,512K,2M", que
         page_cache: bool = False, rounds: int = 3, prefix_blocks: int = 1000,
         prefix_max_bytes="128M", samples: int = 20, staging_bytes="256M",
         vllm_job_blocks: int = 16, systems=SYSTEMS, log=None) -> dict:
-    """Run the comparison; returns the JSON-able result dict."""
+    """Run the comparison; returns the JSON-able result dict.
+
+    `directory`: one directory, or several as "A,B,C" (or a list), one per device: see the
+    module doc for how each system uses them; `size` is then the total per system."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     sizes = [parse_size(x.strip()) for x in str(block_sizes).split(",") if x.strip()]
     for b in sizes:
@@ -642,20 +804,29 @@ def run(directory: str | None = None, size="1G", block_sizes="128K,512K,2M", que
     if "fio" in systems and shutil.which("fio") is None:
         raise KVStoreError("fio is not installed (Debian: apt-get install fio)")
     own_dir = directory is None
-    directory = tempfile.mkdtemp(prefix="kvstore-peers-") if own_dir else os.path.abspath(directory)
-    os.makedirs(directory, exist_ok=True)
-    free = shutil.disk_usage(directory).free
-    need = size_b * 3 + 5 * staging_b  # kvstore store + one-thread files + background batches
-    if need > free:
-        raise KVStoreError(f"--size {format_size(size_b)} needs about {format_size(need)} free in "
-                           f"{directory}, which has {format_size(free)}; lower --size")
+    dirs = _parse_dirs(directory)
+    if dirs is not None and len(dirs) > 1:
+        directory = dirs[0]
+        for d in dirs:
+            os.makedirs(d, exist_ok=True)
+        _check_free_multi(dirs, size_b, staging_b, "vllm_fs" in systems)
+    else:
+        directory = tempfile.mkdtemp(prefix="kvstore-peers-") if own_dir else dirs[0]
+        os.makedirs(directory, exist_ok=True)
+        free = shutil.disk_usage(directory).free
+        need = size_b * 3 + 5 * staging_b  # kvstore store + one-thread files + background batches
+        if need > free:
+            raise KVStoreError(f"--size {format_size(size_b)} needs about {format_size(need)} free in "
+                               f"{directory}, which has {format_size(free)}; lower --size")
+        dirs = [directory]
+    ndirs = len(dirs)
     if not drop_page_cache():
         log("warning: cannot drop the page cache (needs root); reads may be served from memory")
-    results, details, prefixes = {}, {}, {}
+    results, details, prefixes, per_device = {}, {}, {}, {}
     c_helper = None
     try:
         for b in sizes:
-            nblocks = size_b // b
+            nblocks = size_b // b // ndirs * ndirs  # several directories: an equal share each
             prefix = max(1, min(prefix_blocks, pmax // b, nblocks // 4))
             if nblocks < 8:
                 raise KVStoreError(f"--size {size} holds fewer than 8 blocks of {format_size(b)}")
@@ -665,7 +836,7 @@ def run(directory: str | None = None, size="1G", block_sizes="128K,512K,2M", que
             rng = np.random.default_rng(b)
             src[:] = rng.integers(0, 256, size=b, dtype=np.uint8)  # incompressible-ish payloads
             src[:, :8] = np.arange(nblocks, dtype="<u8").view(np.uint8).reshape(nblocks, 8)
-            ctx = SimpleNamespace(directory=directory, block=b, nblocks=nblocks, qd=queue_depth,
+            ctx = SimpleNamespace(directory=directory, dirs=dirs, block=b, nblocks=nblocks, qd=queue_depth,
                                   page_cache=page_cache, staging_bytes=staging_b, prefix=prefix,
                                   vllm_job_blocks=vllm_job_blocks, src=src, dst=dst,
                                   src_mem=src_mem, dst_mem=dst_mem)
@@ -673,7 +844,7 @@ def run(directory: str | None = None, size="1G", block_sizes="128K,512K,2M", que
             log(f"block {format_size(b)}: {nblocks} blocks ({format_size(nblocks * b)}) per system, "
                 f"prefix {prefix} blocks")
             try:
-                res, det = _one_size(ctx, systems, rounds, samples, log)
+                res, det, rows = _one_size(ctx, systems, rounds, samples, log)
             finally:
                 del src, dst, ctx
                 for m in (src_mem, dst_mem):
@@ -683,6 +854,8 @@ def run(directory: str | None = None, size="1G", block_sizes="128K,512K,2M", que
                         pass
             results[str(b)] = res
             details[str(b)] = det
+            if rows is not None:
+                per_device[str(b)] = rows
         if "vllm_fs" in systems:
             from vllm.v1.kv_offload.tiering.fs import io as fs_io
             c_helper = bool(fs_io._HAS_FSIO_C)
@@ -690,7 +863,7 @@ def run(directory: str | None = None, size="1G", block_sizes="128K,512K,2M", que
         if own_dir:
             shutil.rmtree(directory, ignore_errors=True)
     import vllm
-    return {
+    out = {
         "config": {"dir": directory, "size": size_b, "block_sizes": sizes, "queue_depth": queue_depth,
                    "o_direct": not page_cache, "rounds": rounds, "prefix_blocks": prefixes,
                    "prefix_samples_per_round": samples, "staging_bytes": staging_b,
@@ -700,16 +873,60 @@ def run(directory: str | None = None, size="1G", block_sizes="128K,512K,2M", que
         "details": details,
         "targets": targets(results),
     }
+    if ndirs > 1:
+        out["config"].update({
+            "dir": ",".join(dirs), "dirs": dirs,
+            "size_per_dir": size_b // ndirs,
+            "kvstore_dirs": dirs, "fio_dirs": dirs, "one_thread_dirs": dirs,
+            "vllm_fs_dirs": dirs[:1],
+            "multi_dir": {
+                "kvstore": "one store striped over every directory (data_dirs), a ring per directory",
+                "fio": "one io_uring job per directory, all at once (one fio process, "
+                       "--fixedbufs --registerfiles)",
+                "one_thread": "one blocking thread per directory, each on its own file with 1/D of the blocks",
+                "vllm_fs": "first directory only: FileSystemTierManager takes one root_dir, and "
+                           "several fs tiers in secondary_tiers would each get a copy of every "
+                           "block (vLLM cascades stores to all tiers), not a share"}})
+        out["per_device"] = per_device
+    return out
+
+
+def _check_free_multi(dirs, size_b, staging_b, vllm_fs):
+    """Room for each directory's share (kvstore's store, the threads' and their background
+    files), and on the first for vLLM's fs tier's whole copy; directories on one file
+    system add up."""
+    n = len(dirs)
+    by_fs: dict = {}
+    for i, d in enumerate(dirs):
+        need = (size_b * 3 + 5 * staging_b) // n + (2 * size_b if vllm_fs and i == 0 else 0)
+        ent = by_fs.setdefault(os.stat(d).st_dev, [0, []])
+        ent[0] += need
+        ent[1].append(d)
+    for need, same in by_fs.values():
+        free = shutil.disk_usage(same[0]).free
+        if need > free:
+            raise KVStoreError(f"--size {format_size(size_b)} needs about {format_size(need)} free in "
+                               f"{', '.join(same)}, which has {format_size(free)}; lower --size")
 
 
 def format_table(out: dict) -> str:
     c = out["config"]
-    lines = [f"kvstore bench peers: {format_size(c['size'])} per system per block size, queue depth "
-             f"{c['queue_depth']}, {'O_DIRECT' if c['o_direct'] else 'page cache'}, median of "
+    dirs = c.get("dirs") or [c["dir"]]
+    multi = len(dirs) > 1
+    over = f" over {len(dirs)} directories" if multi else ""
+    labels = dict(LABELS, **({"vllm_fs": "vLLM fs tier*", "one_thread": "1 thread/dir"} if multi else {}))
+    lines = [f"kvstore bench peers: {format_size(c['size'])} per system per block size{over}, queue depth "
+             f"{c['queue_depth']}{' per directory' if multi else ''}, "
+             f"{'O_DIRECT' if c['o_direct'] else 'page cache'}, median of "
              f"{c['rounds']} alternating rounds; vLLM {c['vllm_version']} fs tier "
              f"(16+16 threads, fs_io_C={'yes' if c['vllm_fs_io_C'] else 'no'})",
              f"prefix load: p50/p99 over {c['rounds']}x{c['prefix_samples_per_round']} loads of one "
              "prefix while a background thread stores new blocks"]
+    if multi:
+        lines.append(f"directories: {', '.join(dirs)}; kvstore: one store striped over all, a ring per "
+                     "directory; fio: a job per directory at once; 1 thread/dir: a blocking thread per directory")
+        lines.append(f"*vLLM fs tier: {dirs[0]} only (it takes one root_dir; several fs tiers would each "
+                     "store a copy of every block, not a share)")
     head = (f"{'block':>7} {'system':<13} {'store GB/s':>10} {'load GB/s':>10} {'CPU s/GB':>9} "
             f"{'prefix':>7} {'p50 ms':>8} {'p99 ms':>8} {'bg GB/s':>8}")
     lines.append(head)
@@ -722,7 +939,7 @@ def format_table(out: dict) -> str:
             bg = d.get("background_store_gbps")
             pre = c["prefix_blocks"][bs] if p50 is not None else None
             lines.append(
-                f"{format_size(int(bs)):>7} {LABELS.get(s, s):<13} {r['store_gbps']:>10.2f} "
+                f"{format_size(int(bs)):>7} {labels.get(s, s):<13} {r['store_gbps']:>10.2f} "
                 f"{r['load_gbps']:>10.2f} {cpu if cpu is not None else float('nan'):>9.3f} "
                 f"{pre if pre is not None else '-':>7} "
                 f"{p50 if p50 is not None else float('nan'):>8.1f} "
@@ -733,10 +950,26 @@ def format_table(out: dict) -> str:
         lines.append("prefix scaled down from 1000 blocks (cap 128 MiB / a quarter of --size): "
                      + ", ".join(scaled))
     lines.append("fio CPU s/GB is fio's own usr+sys; bg GB/s = background store rate during the prefix test")
+    if multi and out.get("per_device"):
+        lines.extend(_per_device_lines(out["per_device"], labels))
     lines.append("targets:")
     for t in out.get("targets", []):
         lines.append(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['detail']}")
     return "\n".join(lines)
+
+
+def _per_device_lines(per_device: dict, labels: dict) -> list[str]:
+    """Per directory and block size: each system's store / load GB/s there."""
+    first = next(iter(per_device.values()))
+    systems = [s for s in first[0] if s != "dir"]
+    width = max(9, max(len(r["dir"]) for rows in per_device.values() for r in rows))
+    lines = ["per directory, store / load GB/s (a system's rows add up to its total):",
+             f"{'block':>7} {'directory':<{width}} " + " ".join(f"{labels.get(s, s):>15}" for s in systems)]
+    for bs, rows in per_device.items():
+        for r in rows:
+            cells = [f"{r[s]['store_gbps']:>7.2f} /{r[s]['load_gbps']:>6.2f}" for s in systems]
+            lines.append(f"{format_size(int(bs)):>7} {r['dir']:<{width}} " + " ".join(cells))
+    return lines
 
 
 def plot(out: dict, path: str) -> None:
