@@ -143,6 +143,12 @@ def check_consistency(ix: Index) -> list[str]:
         if len(owner) != hw:
             problems.append(f"used + free + reserved below high_water = {len(owner)}, "
                             f"expected {hw} (slots lost or counted twice)")
+        if ix._owned is not None:
+            # an engine's reservation names its owner (`owned`): a row whose slot is not
+            # reserved would make that owner's reclaim free somebody else's reservation
+            for ok in txn.cursor(db=ix._owned).iternext(keys=True, values=False):
+                if len(ok) != 16 or txn.get(bytes(ok[12:]), db=ix._reserved) is None:
+                    problems.append(f"owned row {bytes(ok).hex()} names a slot that is not reserved")
     return problems
 
 
@@ -224,6 +230,20 @@ class IndexSnapshot:
                 self.malformed.append(("free", bytes(sk)))
                 continue
             yield _U32.unpack(sk)[0]
+
+    def owned_rows(self) -> Iterator[tuple[bytes, int]]:
+        """owned db: (owner id, slot) of each engine's reservation (none in an older
+        store, which has no `owned` db)."""
+        if self._ix._owned is None:
+            return iter(())
+        return self._owned_rows()
+
+    def _owned_rows(self) -> Iterator[tuple[bytes, int]]:
+        for k, _ in self._rows(self._ix._owned):
+            if len(k) != 16:
+                self.malformed.append(("owned", bytes(k)))
+                continue
+            yield bytes(k[:12]), _U32.unpack(k[12:])[0]
 
     def reserved_rows(self) -> Iterator[tuple[int, int, bytes]]:
         """reserved db: (slot, generation, key)."""

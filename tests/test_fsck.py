@@ -220,7 +220,16 @@ def plant_orphan(p, keys):
     return set()
 
 
+def plant_owned_stray(p, keys):
+    # an engine's reservation row for a slot that is in use, not reserved
+    e = slot_of(p, keys[5])
+    owner = struct.pack(">IQ", 4242, 77)
+    index_edit(p, lambda ix, txn: txn.put(owner + U32.pack(e.slot), b"", db=ix._owned))
+    return set()
+
+
 CASES = {
+    "owned_stray": plant_owned_stray,
     "header_corrupt": plant_header_corrupt,
     "payload_corrupt": plant_payload_corrupt,
     "key_mismatch": plant_key_mismatch,

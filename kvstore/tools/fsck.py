@@ -88,6 +88,7 @@ KINDS = {
     "counter": "an index counter is behind the entries (tick, generation, high_water)",
     "leaked_slot": "a slot that is neither used, free nor reserved, holding no valid block",
     "orphan": "a slot that is neither used, free nor reserved whose header claims a key",
+    "owned_stray": "an engine's reservation row (owned db) names a slot that is not reserved",
     # pass 3: slot data
     "slot_unreadable": "a referenced slot cannot be read (I/O error, or its file is bad)",
     "header_corrupt": "a referenced slot's header does not parse or fails its checksum",
@@ -99,6 +100,9 @@ KINDS = {
 # Kinds fixed by dropping the entry (the index stays structurally sound).
 _DATA_KINDS = {"slot_unreadable", "header_corrupt", "key_mismatch", "generation_mismatch",
                "header_mismatch", "payload_corrupt"}
+# Fixed by giving every reservation back, which also empties the owned db (the offline
+# repair runs with no engine attached: no reservation has a live owner).
+_RECLAIM_KINDS = {"owned_stray"}
 _FILE_KINDS = {"slot_file_missing", "slot_file_size", "slot_file_invalid"}
 _INDEX_OPEN_KINDS = {"index_missing", "index_unreadable", "capacity_mismatch"}
 
@@ -344,6 +348,7 @@ class _Check:
             lru_rows = list(snap.lru_rows())
             free_rows = list(snap.free_rows())
             reserved_rows = list(snap.reserved_rows())
+            owned_rows = list(snap.owned_rows())
             malformed = list(snap.malformed)
         for db, k in malformed:
             rep.add("malformed_row", f"{db} db row {_short(k)} does not decode", key=k)
@@ -421,6 +426,13 @@ class _Check:
                 rep.add("counter", f"reservation of slot {s} has generation {rgen} > meta generation {gen}",
                         slot=s, key=rkey)
             state[s] |= 4
+        reserved_slots = {s for s, _, _ in reserved_rows}
+        for who, s in owned_rows:
+            if s not in reserved_slots:
+                pid = int.from_bytes(who[:4], "big")
+                rep.add("owned_stray", f"owned row of engine pid {pid} names slot {s}, which is not "
+                        "reserved (reclaiming that engine would free whatever reservation the slot "
+                        "gets next)", slot=s)
         unlisted = np.flatnonzero(state[:hw] == 0)
         self.rep.stats.update(entries=len(entries), reserved_in_flight=len(reserved_rows),
                               capacity_slots=cap, high_water=hw)
@@ -618,7 +630,7 @@ class _Check:
                    and f.kind not in _FILE_KINDS and f.kind not in _INDEX_OPEN_KINDS]
         if not pending:
             return
-        structural = [f for f in pending if f.kind not in _DATA_KINDS]
+        structural = [f for f in pending if f.kind not in _DATA_KINDS | _RECLAIM_KINDS]
         if not structural:
             with Index(self.index_dir, None) as ix:  # writer (we hold the lock)
                 ix.reclaim_reserved()
