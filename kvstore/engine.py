@@ -26,9 +26,9 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from kvstore._slotfile import SlotFile
-from kvstore.errors import ConfigError, KVStoreError, StoreLocked, StoreNotFound
+from kvstore.errors import ConfigError, KVStoreError, StoreFull, StoreLocked, StoreNotFound
 from kvstore.index import Entry, Index
-from kvstore.shared import Lease, StoreLock
+from kvstore.shared import W_VALID, Lease, StoreLock
 from kvstore.layout import (
     Layout, StoreGeometry, check_data_dirs, check_layout, device_dirs, format_size,
     normalize_data_dirs, parse_size, read_fingerprint, write_fingerprint,
@@ -309,13 +309,16 @@ class WriterLock:
 class _SharedClaim:
     """`Index.reserve`'s pinned set for a store shared with other engines: a slot is
     refused when this process pins it, or when clearing its shared generation finds
-    another engine pinning it (`SharedMap.try_clear`)."""
+    another engine pinning it (`SharedMap.try_clear`), or an engine attached since the
+    peers were listed (its pins are not among them)."""
 
     def __init__(self, own, lease):
-        self.own, self.slots, self.peers = own, lease.slots, lease.peers()
+        self.own, self.slots = own, lease.slots
+        self.epoch = lease.epoch        # before the list: an engine attaching later moves it
+        self.peers = lease.peers()
 
     def __contains__(self, s) -> bool:
-        return s in self.own or not self.slots.try_clear(s, self.peers)
+        return s in self.own or not self.slots.try_clear(s, self.peers, self.epoch)
 
     def __len__(self) -> int:
         return len(self.own)
@@ -344,6 +347,7 @@ class DiskStore:
         _check_choice("io_mode", io_mode, IO_MODES)
         self.path = os.path.abspath(path)
         self.readonly = readonly
+        self._pid = os.getpid()
         self._lock = None
         self.lease: Lease | None = None
         self.index = None
@@ -369,6 +373,13 @@ class DiskStore:
             elif not readonly:
                 self.lease = Lease(self.path, self.geometry.num_slots, self._reclaim, kind=kind)
                 self.index.owner = self.lease.owner
+                self.index.shared_slots = self.lease.slots
+                if self.lease.slots.load(W_VALID) != 1:
+                    # The first engine of a run (or one after a first that died before it
+                    # finished): the generations from LMDB, under its writer lock, so no
+                    # other engine's commit or eviction interleaves. Every writer open
+                    # returns with them complete: hits are checked from the first lookup.
+                    self.index.rebuild_generations(self.lease.slots, W_VALID)
                 # fenced (failed) devices: no reservation or commit of this writer uses them
                 self.index.set_devices(self.geometry.num_devices)
             if io:
@@ -472,7 +483,14 @@ class DiskStore:
 
     # -- lifecycle -------------------------------------------------------------------
     def close(self) -> None:
-        """Close ranks, index and lock (idempotent). Pins are dropped."""
+        """Close ranks, index and lock (idempotent). Pins are dropped. In a child forked
+        from the process that opened it, nothing is given back or closed: the store, its
+        lease and its reservations are the parent's (`kvstore.shared` drops the child's
+        copies of the lock files at fork, `kvstore.index` its LMDB environments)."""
+        if self._pid != os.getpid():
+            self.ranks, self.index, self.lease, self._lock = [], None, None, None
+            self._pins.clear()
+            return
         try:
             for r in self.ranks:
                 r.close()
@@ -566,21 +584,27 @@ class DiskStore:
 
     def reserve(self, keys: Sequence[bytes]) -> tuple[list[SlotRef], list[Entry]]:
         """Reserve one slot per new key, evicting LRU unpinned entries; StoreFull if impossible."""
-        if self.lease is not None:      # a dead engine's pins and reservations go first
-            self.lease.reap(self._reclaim)
-        pinned = self._pins.keys() if self.lease is None else _SharedClaim(self._pins.keys(), self.lease)
-        items, evicted = self._writable().reserve(list(keys), pinned)
+        if self.lease is None:
+            items, evicted = self._writable().reserve(list(keys), self._pins.keys())
+            return [SlotRef(k, s, g) for k, s, g in items], evicted
+        self.lease.reap(self._reclaim)  # a dead engine's pins and reservations go first
+        for attempt in range(3):
+            claim = _SharedClaim(self._pins.keys(), self.lease)
+            try:
+                items, evicted = self._writable().reserve(list(keys), claim)
+                break
+            except StoreFull:
+                # refused because an engine came or went meanwhile: list them again
+                if attempt == 2 or self.lease.epoch == claim.epoch:
+                    raise
         return [SlotRef(k, s, g) for k, s, g in items], evicted
 
     def commit(self, refs: Sequence[SlotRef]) -> None:
         """Point keys at their (durably written) slots, in one transaction."""
         items = [(r.key, r.slot, r.generation) for r in refs]
-        dups: list = []
-        skipped = self._writable().commit(items, dups_out=dups)
-        if self.lease is not None:      # other engines' lookups check hits against these
-            out = set(skipped) | {k for k, _, _ in dups}
-            live = [x for x in items if x not in out and x[0] not in out]
-            self.lease.slots.publish([x[1] for x in live], [x[2] for x in live])
+        # (the index publishes the new entries' generations to the other engines inside
+        # the commit's transaction)
+        self._writable().commit(items)
 
     def abort(self, refs: Sequence[SlotRef]) -> None:
         """Give reserved slots back (the write failed or was cancelled)."""
@@ -593,10 +617,7 @@ class DiskStore:
 
     def drop(self, keys: Sequence[bytes]) -> list[Entry]:
         """Remove entries (e.g. a slot that failed verification); their slots become free."""
-        gone = self._writable().drop(list(keys))
-        if self.lease is not None and gone:
-            self.lease.slots.retract([e.slot for e in gone])
-        return gone
+        return self._writable().drop(list(keys))    # retracted in its transaction
 
     def count_hits(self, hits: int, misses: int) -> None:
         if not self.readonly:

@@ -38,6 +38,7 @@ import logging
 import os
 import struct
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -135,6 +136,106 @@ def _guard(fn):
     return wrapper
 
 
+class _MapGuard:
+    """This process's transactions vs. re-mapping its environment (`set_mapsize`: growing
+    the map, or adopting a size another process grew it to). LMDB requires that no
+    transaction of the process is open while it re-maps, and py-lmdb invalidates every
+    open one; with a store shared by several engines the scheduler thread reads LMDB
+    (another engine's blocks) while the index thread writes, and every engine meets the
+    other engines' growth (MDB_MAP_RESIZED) at its next transaction. Transactions hold
+    the guard shared; a re-map waits until none is open, and none begins during it."""
+
+    __slots__ = ("_cond", "_active", "_resizing", "_local")
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._resizing = False
+        self._local = threading.local()
+
+    def enter(self) -> None:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._active += 1
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+
+    def exit(self) -> None:
+        self._local.depth -= 1
+        with self._cond:
+            self._active -= 1
+            if self._active == 0:
+                self._cond.notify_all()
+
+    def remap(self, fn, timeout: float | None) -> bool:
+        """Run fn() while no transaction of this process is open; False when this thread
+        holds one itself, or none could be had within `timeout` seconds."""
+        if getattr(self._local, "depth", 0):
+            return False
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._active == 0 and not self._resizing, timeout):
+                return False
+            self._resizing = True
+        try:
+            fn()
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
+        return True
+
+
+class _ReadTxn:
+    """A read transaction holding the map guard until it ends (`with`, or `abort()`)."""
+
+    __slots__ = ("_txn", "_guard")
+
+    def __init__(self, txn, guard: _MapGuard):
+        self._txn, self._guard = txn, guard
+
+    def __enter__(self):
+        return self._txn
+
+    def __exit__(self, *exc):
+        self.abort()
+
+    def abort(self) -> None:
+        g, self._guard = self._guard, None
+        if g is not None:
+            try:
+                self._txn.abort()
+            finally:
+                g.exit()
+
+    def __getattr__(self, name):
+        return getattr(self._txn, name)
+
+
+# A step thread that meets MDB_MAP_RESIZED waits this long for the other thread's
+# transaction to end before it gives up (a KVStoreError: the lookup is a miss); the index
+# thread may be inside a write transaction that waits for the step thread's lock.
+_REMAP_WAIT_S = 0.05
+
+# Indexes of this process: a child forked from it must never use (or close) them.
+_OPEN: "weakref.WeakSet[Index]" = weakref.WeakSet()
+_INHERITED: list = []
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: LMDB environments must not be used across fork, and closing one
+    (as py-lmdb does when it is freed) would clear the parent's reader slots (LMDB clears
+    those of the pid that opened it). Each inherited environment is kept, unused, until
+    the child exits; its Index reads as closed."""
+    for ix in list(_OPEN):
+        env = ix.__dict__.get("_env")
+        if env is not None:
+            _INHERITED.append(env)
+            ix._env = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 class Index:
     """The LMDB index of one store. See the module docstring for the layout.
 
@@ -171,6 +272,14 @@ class Index:
         # The engine (`kvstore.shared.Lease.owner`) whose reservations this handle makes:
         # each one is also a row of `owned`, so survivors can give them back if it dies.
         self.owner: bytes | None = None
+        # The store's shared slot generations (`kvstore.shared`; None when not shared):
+        # commits publish, drops and fences retract inside their write transaction, so
+        # every change to them is ordered by LMDB's writer lock with the other engines'
+        # (an eviction claim clears them inside its transaction too). `_undo` holds what
+        # the current write transaction changed, put back if it does not commit.
+        self.shared_slots = None
+        self._undo: list | None = None
+        self._map = _MapGuard()
         data = os.path.join(self._path, "data.mdb")
         for p in (self._path, data, os.path.join(self._path, "lock.mdb")):
             # LMDB opens its files without O_NOFOLLOW: refuse links here, as every other
@@ -210,6 +319,7 @@ class Index:
             self._env = None
             env.close()
             raise
+        _OPEN.add(self)
 
     # ------------------------------------------------------------------ open / close
 
@@ -317,17 +427,31 @@ class Index:
             raise KVStoreError(f"index is closed ({self._path})")
         return env
 
-    def _read(self) -> lmdb.Transaction:
+    def _read(self) -> _ReadTxn:
+        """A read transaction (a context manager giving the lmdb txn; or `abort()` it)."""
         env = self._live()
-        try:
-            return env.begin()
-        except lmdb.MapResizedError:
-            # The writer (another process) grew the map past ours: adopt its size.
-            env.set_mapsize(0)
-            return env.begin()
+        for _ in range(3):
+            self._map.enter()
+            try:
+                txn = env.begin()
+            except lmdb.MapResizedError:
+                # Another process grew the map past ours: adopt its size (once no
+                # transaction of this process is open), then begin again.
+                self._map.exit()
+                self._map.remap(lambda: env.set_mapsize(0), _REMAP_WAIT_S)
+                continue
+            except BaseException:
+                self._map.exit()
+                raise
+            return _ReadTxn(txn, self._map)
+        raise KVStoreError(f"index at {self._path}: another process grew the map and this "
+                           "process's other transactions kept it from adopting the new size; "
+                           "retry")
 
     def _write(self, fn, *args):
-        """Run fn(txn, *args) in one write txn; on MapFullError double the map and rerun.
+        """Run fn(txn, *args) in one write txn; on MapFullError double the map and rerun
+        (and adopt a map another process grew). Shared slot generations fn changed
+        (`_shared_set`) are put back when fn fails.
 
         fn must not change Python-side state: a rerun starts from scratch.
         """
@@ -336,27 +460,80 @@ class Index:
             raise KVStoreError(f"index at {self._path} is opened read-only")
         ph, pm = self._pending_hits, self._pending_misses
         while True:
+            grow = None
+            self._map.enter()
             try:
                 with env.begin(write=True) as txn:
-                    if ph or pm:
-                        self._add(txn, b"hits", ph)
-                        self._add(txn, b"misses", pm)
-                    result = fn(txn, *args)
+                    self._undo = []
+                    try:
+                        if ph or pm:
+                            self._add(txn, b"hits", ph)
+                            self._add(txn, b"misses", pm)
+                        result = fn(txn, *args)
+                    except BaseException:
+                        # still holding LMDB's writer lock: no other engine changed
+                        # these slots since (after the abort one may)
+                        self._rollback_shared()
+                        raise
+                    finally:
+                        self._undo = None
                 break
+            except lmdb.MapResizedError:
+                grow = 0            # another process grew the map: adopt its size
             except lmdb.MapFullError:
-                size = env.info()["map_size"] * 2
-                try:
-                    env.set_mapsize(size)
-                except lmdb.Error as exc:
-                    raise self._write_failed(exc, f"growing its map to {size} bytes") from exc
+                grow = env.info()["map_size"] * 2
             except _DAMAGE:
                 raise  # a damaged record: @_guard makes it CorruptIndex
             except lmdb.Error as exc:
                 # ENOSPC, EIO, ...: the transaction was not committed and nothing changed.
                 raise self._write_failed(exc, "committing a transaction") from exc
+            finally:
+                self._map.exit()
+            try:
+                if not self._map.remap(lambda: env.set_mapsize(grow), None):
+                    raise KVStoreError(
+                        f"index at {self._path}: cannot re-map it while this thread has a "
+                        "read transaction open")
+            except lmdb.Error as exc:
+                raise self._write_failed(exc, f"growing its map to {grow} bytes") from exc
         self._pending_hits -= ph
         self._pending_misses -= pm
         return result
+
+    def _shared_set(self, slots: list[int], gens: list[int], before: list[int]) -> None:
+        """Inside a write txn: slots[j] holds generation gens[j] (0: nothing) from now on,
+        in the shared slot generations (other engines check their hits there); before[j]
+        is what the index said until now (put back if the transaction fails)."""
+        sm = self.shared_slots
+        if sm is None or not slots:
+            return
+        if self._undo is not None:
+            self._undo.append((slots, before))
+        sm.publish(slots, gens)
+
+    def _evicted_shared(self, slots: list[int], gens: list[int]) -> None:
+        """Inside a write txn: an eviction claim cleared these slots' generations (they
+        held gens); put back if the transaction fails."""
+        if self.shared_slots is not None and self._undo is not None and slots:
+            self._undo.append((slots, gens))
+
+    def _rollback_shared(self) -> None:
+        undo, sm = self._undo, self.shared_slots
+        if not undo or sm is None:
+            return
+        for slots, gens in reversed(undo):
+            sm.publish(slots, gens)
+        undo.clear()
+
+    def reader_check(self) -> int:
+        """Clear LMDB reader slots left by dead processes (an engine killed inside a read
+        transaction keeps its snapshot pinned otherwise: no page freed since is reused, so
+        the file grows with every write, and the slot is lost to the 126 there are).
+        Returns how many were cleared."""
+        try:
+            return self._live().reader_check()
+        except lmdb.Error:
+            return 0
 
     def _write_failed(self, exc: Exception, doing: str) -> KVStoreError:
         msg = f"cannot write the index at {self._path} ({doing}): {exc}"
@@ -654,6 +831,7 @@ class Index:
                     raise CorruptIndex(
                         f"lru row (tick {t}, slot {s}) has no key/slot rows; {_REBUILD_HINT}")
                 _, g, _ = _VAL.unpack(v)
+                self._evicted_shared([s], [g])      # `pinned` cleared its generation
                 evicted.append(_entry(k, s, g, t))
                 slots.append(s)
                 cur.delete()
@@ -771,7 +949,9 @@ class Index:
                     raise CorruptIndex(f"lru row (tick {t}, slot {s_}) has no key row; {_REBUILD_HINT}")
                 txn.delete(_U32.pack(s_), db=sdb)
                 txn.delete(lk, db=ldb)
-                evicted.append(_entry(k, s_, _VAL.unpack(v)[1], t))
+                g_ = _VAL.unpack(v)[1]
+                self._evicted_shared([s_], [g_])    # the claim cleared its generation
+                evicted.append(_entry(k, s_, g_, t))
                 slots.append(s_)
         gen = self._get(txn, b"generation")
         owner = self.owner
@@ -789,16 +969,29 @@ class Index:
         return out, evicted, exhausted
 
     @_guard
-    def load_keys(self, table, slots=None) -> int:
+    def load_keys(self, table) -> int:
         """Fill `table` (a `kvstore._keytable.KeyTable`) with every committed key -> (slot,
-        generation), from one read transaction; with `slots` (the store's shared slot
-        generations, `kvstore.shared`) publish every entry's generation there too, from
-        the same snapshot. Returns the count."""
+        generation), from one read transaction. Returns the count. (The store's shared
+        slot generations are rebuilt at open, `rebuild_generations`: an entry evicted
+        after this snapshot is cut where a lookup meets it.)"""
         with self._read() as txn:
-            n = table.load(txn.cursor(db=self._keys).iternext(keys=True, values=True))
-            if slots is not None:
-                slots.load_generations(txn.cursor(db=self._keys).iternext(keys=True, values=True))
-            return n
+            return table.load(txn.cursor(db=self._keys).iternext(keys=True, values=True))
+
+    @_guard
+    def rebuild_generations(self, slots, valid_word: int) -> bool:
+        """The store's shared slot generations from this index, in one write transaction,
+        unless header word `valid_word` of `slots` says they are complete already; then
+        marked complete. Holding LMDB's writer lock, no other engine commits, evicts or
+        drops meanwhile (they change the generations inside their write transactions),
+        so the array agrees with the index from here on. True if rebuilt."""
+        def txn_fn(txn):
+            if slots.load(valid_word) == 1:
+                return False
+            slots.clear_array()
+            slots.load_generations(txn.cursor(db=self._keys).iternext(keys=True, values=True))
+            slots.store(valid_word, 1)
+            return True
+        return self._write(txn_fn)
 
     @_guard
     def commit(self, items: Sequence[tuple[bytes, int, int]], *, sync: bool = True,
@@ -849,6 +1042,8 @@ class Index:
         tick = self._get(txn, b"tick")
         skipped = []
         dups = 0
+        pub_s: list[int] = []
+        pub_g: list[int] = []
         pause = self.pause
         ndev, fenced = self._fence
         for n, item in enumerate(reversed(items)):
@@ -879,6 +1074,8 @@ class Index:
                 put(key, _VAL.pack(slot, gen, tick), db=kdb)
                 put(sk, key, db=sdb)
                 put(_LRU.pack(tick, slot), b"", db=ldb, append=True)
+                pub_s.append(slot)
+                pub_g.append(gen)
             else:
                 os_, og, ot = _VAL.unpack(old)
                 delete(_LRU.pack(ot, os_), db=ldb)
@@ -889,6 +1086,12 @@ class Index:
                 if dups_out is not None:
                     dups_out.append((key, os_, og))
         self._set(txn, b"tick", tick)
+        # Published before the transaction commits, under LMDB's writer lock: an engine
+        # that evicts one of these entries does it in a later transaction, so its clear
+        # comes after (published after the commit, the generation could land on a slot
+        # another engine had evicted and reserved meanwhile). No engine holds these
+        # (slot, generation) pairs before the commit is visible.
+        self._shared_set(pub_s, pub_g, [0] * len(pub_s))
         if dups:
             self._add(txn, b"duplicates", dups)
         if skipped:
@@ -930,7 +1133,9 @@ class Index:
         """Crash recovery, for the writer at open: every reserved slot goes back to free.
         A reserved slot may hold a half-written block; nothing points at it. Returns count."""
         self._free_epoch += 1
-        return self._write(self._reclaim_txn)
+        n = self._write(self._reclaim_txn)
+        self.reader_check()
+        return n
 
     def _reclaim_txn(self, txn):
         slots = list(txn.cursor(db=self._reserved).iternext(keys=True, values=False))
@@ -944,9 +1149,13 @@ class Index:
     @_guard
     def reclaim_owner(self, owner: bytes) -> int:
         """A dead engine's reservations go back to free (its `owned` rows, and the
-        reservations they name when still standing). Returns how many were released."""
+        reservations they name when still standing), and LMDB reader slots it left (it
+        may have died inside a read transaction) are cleared. Returns how many
+        reservations were released."""
         self._free_epoch += 1
-        return self._write(self._reclaim_owner_txn, owner)
+        n = self._write(self._reclaim_owner_txn, owner)
+        self.reader_check()
+        return n
 
     def _reclaim_owner_txn(self, txn, owner):
         odb, rdb, fdb = self._owned, self._reserved, self._free
@@ -1025,6 +1234,9 @@ class Index:
             txn.delete(_LRU.pack(t, s), db=self._lru)
             txn.put(sk, b"", db=self._free)
             out.append(_entry(k, s, g, t))
+        # retracted inside the transaction: once it commits the slot is free, and an
+        # engine that reserves it and publishes a new entry must come after
+        self._shared_set([e.slot for e in out], [0] * len(out), [e.generation for e in out])
         return out
 
     # ------------------------------------------------------------------ failed devices
@@ -1105,6 +1317,7 @@ class Index:
             s_, g, t = _VAL.unpack(v)
             txn.delete(_LRU.pack(t, s_), db=ldb)
             out.append(_entry(key, s_, g, t))
+        self._shared_set([e.slot for e in out], [0] * len(out), [e.generation for e in out])
         return out
 
     @_guard

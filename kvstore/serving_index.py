@@ -170,6 +170,10 @@ class ServingIndex:
             slots, gens = [e.slot for e in entries], [e.generation for e in entries]
             with self._lock:
                 self._table.pin(slots)
+                # another engine may have evicted one since the read: checked as a table
+                # hit is (the table is being built: nothing leaves it here)
+                n = self._table.validate_pinned(keys[:len(slots)], slots, gens, False)
+            del slots[n:], gens[n:]
             return slots, gens
         with self._lock:
             slots, gens = self._table.prefix(keys)
@@ -221,7 +225,11 @@ class ServingIndex:
         pos, chunk = 0, 1
         while pos < len(keys):
             part = keys[pos:pos + chunk]
-            entries = self.index.longest_prefix(part)
+            try:
+                entries = self.index.longest_prefix(part)
+            except KVStoreError as exc:     # e.g. a map another engine grew, not adopted yet
+                log.debug("kvstore: LMDB lookup for other engines' blocks failed: %s", exc)
+                break                       # a miss: vLLM computes the rest
             if not entries:
                 break
             ks = [e.key for e in entries]
@@ -257,7 +265,11 @@ class ServingIndex:
         generation) joins the table. Under _lock; one read transaction."""
         miss = [i for i, f in enumerate(flags) if not f]
         keys = [block_key(hashes[start + i], group) for i in miss]
-        found = self.index.get_many(keys)
+        try:
+            found = self.index.get_many(keys)
+        except KVStoreError as exc:
+            log.debug("kvstore: LMDB lookup for other engines' blocks failed: %s", exc)
+            return flags
         if not found:
             return flags
         slots = self.lease.slots
@@ -438,9 +450,7 @@ class ServingIndex:
         return out
 
     def _fence(self, dev: int, reason: str, removed: list[int]) -> None:
-        dropped = self.index.fence_device(dev, self.ndev, reason)
-        if self.lease is not None and dropped:
-            self.lease.slots.retract([e.slot for e in dropped])
+        dropped = self.index.fence_device(dev, self.ndev, reason)   # retracted in its txn
         removed = removed + self._purge_pool(dev)   # a refill that ran before the fence
         if removed:
             self.index.abort(removed)
@@ -519,11 +529,9 @@ class ServingIndex:
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
-            first = self.lease is not None and self.lease.first
-            self.index.load_keys(self._table, self.lease.slots if first else None)
-            if first:   # the shared slot generations are complete: hits are checked
-                from kvstore.shared import W_VALID
-                self.lease.slots.store(W_VALID, 1)
+            # (the store's shared slot generations were made complete at open, by
+            # `DiskStore`: hits are checked against them from the first lookup)
+            self.index.load_keys(self._table)
         except Exception as exc:  # LMDB lookups stay in use: slower, still correct
             log.error("kvstore: building the lookup table failed (%s); lookups read LMDB", exc)
             self._fail("building the lookup table", exc)
@@ -681,9 +689,9 @@ class ServingIndex:
                 known = {k for k, _, _ in dups}
                 live = [x for x in live if x[0] not in known]
             if live:
+                # (their generations were published to the other engines inside the
+                # commit's LMDB transaction, `Index.commit`)
                 ks, ss, gs = (list(x) for x in zip(*live))
-                if self.lease is not None:      # other engines check their hits on these
-                    self.lease.slots.publish(ss, gs)
                 with self._lock:            # a duplicate keeps the existing entry
                     self._table.put_many(ks, ss, gs)
             if dups:
@@ -719,9 +727,7 @@ class ServingIndex:
         dropped: list[Entry] = []
         for i in range(0, len(keys), 10000):
             dropped.extend(self.index.drop(keys[i:i + 10000]))
-        if dropped:
-            if self.lease is not None:
-                self.lease.slots.retract([e.slot for e in dropped])
+        if dropped:     # (their generations were retracted in the drop's transaction)
             with self._lock:
                 self._table.remove_many([e.key for e in dropped], [e.slot for e in dropped])
             self._post(IndexEvent("dropped", keys=[e.key for e in dropped]))
@@ -738,9 +744,9 @@ class ServingIndex:
         epoch = self.lease.epoch
         if epoch == self._epoch:
             return
-        peers = self.lease.peers()
+        peers = self.lease.peers()      # listed after the epoch was read: see set_peers
         with self._lock:
-            self._table.set_peers(peers)
+            self._table.set_peers(peers, epoch)
         self._epoch = epoch
 
     def _upkeep_shared(self) -> None:

@@ -32,6 +32,7 @@ import logging
 import os
 import struct
 import time
+import weakref
 from dataclasses import dataclass
 
 from kvstore._keytable import SharedMap
@@ -50,6 +51,25 @@ L_MAGIC, L_PID, L_START, L_STARTED_US, L_KIND, L_CAPACITY = range(6)
 KINDS = {1: "engine", 2: "warmup", 3: "tool"}
 _KIND_CODE = {v: k for k, v in KINDS.items()}
 _OWNER = struct.Struct(">IQ")          # owner id: pid, start ticks (12 bytes)
+
+
+# A lease's (and the store lock's) flock belongs to its open file description, which a
+# forked child shares: a child forked after the attach (a worker started with fork,
+# multiprocessing's fork start method) would keep a dead engine's lease locked, so its
+# reservations were never reclaimed, and keep an offline repair out (O_CLOEXEC covers
+# exec only). At fork the child closes its copies and detaches its copy of the lease's
+# pin map (a MAP_SHARED mapping holds the open file description too); closing a copy
+# never releases the lock while the parent's stays open (flock(LOCK_UN) would). Its Lease
+# reads as left: its close() neither deletes the parent's lease nor counts it gone.
+_HELD: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _drop_after_fork() -> None:
+    for obj in list(_HELD):
+        obj._forked()
+
+
+os.register_at_fork(after_in_child=_drop_after_fork)
 
 
 def _open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
@@ -223,6 +243,16 @@ class StoreLock:
                 f"store {store_dir} is being repaired offline (an exclusive lock is held); wait "
                 "for `kvstore fsck --repair` to finish, then start again", pid=pid) from None
         self.fd = fd
+        _HELD.add(self)
+
+    def _forked(self) -> None:
+        """In a forked child: drop this copy of the lock (the parent keeps it)."""
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
 
     @staticmethod
     def holders(store_dir: str) -> list[int]:
@@ -296,8 +326,26 @@ class Lease:
                 os.unlink(self.path)
                 raise
             self.fd = fd
+            _HELD.add(self)
             self.slots.add(W_ATTACHED, 1)
             self.slots.add(W_EPOCH, 1)
+
+    def _forked(self) -> None:
+        """In a forked child: the lease is the parent's. This copy of its lock goes (so the
+        parent's death is seen), and close() leaves the lease file and counts alone. Its
+        pin map goes too: a mapping holds the open file description (and the lock) alive."""
+        if self.pins is not None:
+            try:
+                self.pins.detach()
+            except OSError:
+                pass
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
+        self._peer_maps.clear()
 
     def _open_slots(self, fresh: bool) -> None:
         path = os.path.join(self.dir, "slots")

@@ -41,7 +41,7 @@ cdef extern from "<sys/mman.h>" nogil:
     void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
     int munmap(void *addr, size_t length)
     int madvise(void *addr, size_t length, int advice)
-    int PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_SHARED, MAP_ANONYMOUS, MADV_HUGEPAGE
+    int PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_SHARED, MAP_ANONYMOUS, MAP_FIXED, MADV_HUGEPAGE
     void *MAP_FAILED
 
 cdef extern from "<errno.h>" nogil:
@@ -72,6 +72,7 @@ cdef extern from *:
 DEF BATCH = 32
 DEF SHARED_HDR = 4096   # bytes before the array in a SharedMap file
 DEF MAX_PEERS = 256
+DEF W_EPOCH = 2         # slots map header word: + 1 whenever an engine attaches or leaves
 DEF KEY_MAX = 68     # a vLLM block hash (32 bytes for sha256; up to 64) + 4-byte group id
 
 
@@ -112,6 +113,19 @@ cdef class SharedMap:
         if self.p != NULL:
             munmap(self.p, self.nbytes)
             self.p = NULL
+
+    def detach(self):
+        """Replace the file's mapping by private zeroed memory at the same address (a
+        forked child's copy of its parent's lease: a mapping holds the file's open
+        description, and with it the parent's flock, alive). Pointers into it (a
+        KeyTable's pins) stay valid; nothing reaches the file any more."""
+        if self.p == NULL:
+            return
+        cdef void *q = mmap(self.p, self.nbytes, PROT_READ | PROT_WRITE,
+                            MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0)
+        if q == MAP_FAILED:
+            import os
+            raise OSError(errno, f"SharedMap.detach: {os.strerror(errno)}")
 
     cdef inline uint64_t *_word(self, size_t i) except NULL:
         if self.p == NULL:
@@ -219,10 +233,12 @@ cdef class SharedMap:
             elif KT_LOAD32(&a[v]) > 0:
                 KT_ADD32(&a[v], <uint32_t>0xFFFFFFFF)
 
-    def try_clear(self, uint64_t slot, list peers):
+    def try_clear(self, uint64_t slot, list peers, long long epoch=-1):
         """An eviction's claim outside a KeyTable (a slots map): clear the slot's
         generation, then look at the other engines' pin maps; if one pins the slot, put
-        the generation back and return False (the slot must not be taken)."""
+        the generation back and return False (the slot must not be taken). With `epoch`
+        (header word W_EPOCH as it was before `peers` were listed), an engine that came
+        or went since (its pins are not in `peers`) also refuses the slot."""
         cdef uint64_t cap = (self.nbytes - SHARED_HDR) // 8
         cdef SharedMap m
         cdef uint64_t old
@@ -236,6 +252,9 @@ cdef class SharedMap:
             if SHARED_HDR + (slot + 1) * 4 <= m.nbytes and KT_LOAD32(<uint32_t *>(m.p + SHARED_HDR) + slot) != 0:
                 KT_STORE64(&g[slot], old)
                 return False
+        if epoch >= 0 and KT_LOAD64(<uint64_t *>self.p + W_EPOCH) != <uint64_t>epoch:
+            KT_STORE64(&g[slot], old)
+            return False
         return True
 
     def count_nonzero32(self):
@@ -269,6 +288,8 @@ cdef class KeyTable:
     cdef uint64_t *shdr         # their map's header (word 3: 1 once the array is complete)
     cdef uint32_t *peers[MAX_PEERS]   # the other engines' pin arrays
     cdef int npeers
+    cdef uint64_t peers_epoch   # the slots map's W_EPOCH the peers were listed at
+    cdef bint check_epoch       # claim refuses every slot once W_EPOCH moved on
     cdef object _maps           # keeps the SharedMaps above mapped
     cdef readonly long long stale_dropped   # entries dropped because their slot moved on
 
@@ -301,6 +322,8 @@ cdef class KeyTable:
         self.sgen = NULL
         self.shdr = NULL
         self.npeers = 0
+        self.peers_epoch = 0
+        self.check_epoch = False
         self._maps = ()
         self.stale_dropped = 0
 
@@ -332,10 +355,13 @@ cdef class KeyTable:
         self.sgen = <uint64_t *>(slots.p + SHARED_HDR)
         self.shdr = <uint64_t *>slots.p
         self._maps = (slots, pins) + tuple(self._maps[2:])
-        self.set_peers(list(self._maps[2:]))
+        self.set_peers(list(self._maps[2:]), self.peers_epoch if self.check_epoch else -1)
 
-    def set_peers(self, list maps):
-        """The other engines' pin maps (their lease files), read by `claim`."""
+    def set_peers(self, list maps, long long epoch=-1):
+        """The other engines' pin maps (their lease files), read by `claim`. `epoch`: the
+        slots map's W_EPOCH read before the maps were listed; while it stays so, `maps`
+        are every other engine's, and once it moved on (an engine attached, and may pin
+        slots this list does not show) `claim` takes no slot until the next call."""
         cdef SharedMap m
         if len(maps) > MAX_PEERS:
             raise ValueError(f"at most {MAX_PEERS} other engines on one store")
@@ -346,6 +372,8 @@ cdef class KeyTable:
         for m in maps:
             self.peers[self.npeers] = <uint32_t *>(m.p + SHARED_HDR)
             self.npeers += 1
+        self.check_epoch = epoch >= 0
+        self.peers_epoch = <uint64_t>epoch if epoch >= 0 else 0
         self._maps = tuple(self._maps[:2]) + tuple(maps)
 
     @property
@@ -599,10 +627,10 @@ cdef class KeyTable:
             start = stop
         return slots, gens
 
-    def validate_pinned(self, list keys, list slots, list gens):
+    def validate_pinned(self, list keys, list slots, list gens, bint drop=True):
         """After pinning a hit (keys, slots, gens): a full fence, then the longest prefix
-        whose slots still hold their generations. The rest is unpinned and its first
-        entry leaves the table. Returns the count kept."""
+        whose slots still hold their generations. The rest is unpinned and (with `drop`)
+        its first entry leaves the table. Returns the count kept."""
         cdef Py_ssize_t n = len(slots), j, k
         cdef uint32_t x
         if n == 0 or not self._validating():
@@ -617,7 +645,8 @@ cdef class KeyTable:
             if x >= self.capacity or KT_LOAD64(&self.sgen[x]) != <uint64_t>gens[j]:
                 for k in range(j, n):
                     self._unpin_slot(slots[k])
-                self.remove(keys[j], x)
+                if drop:
+                    self.remove(keys[j], x)
                 self.stale_dropped += 1
                 return j
         return n
@@ -848,12 +877,19 @@ cdef class KeyTable:
                 continue
             if self.sgen != NULL and 0 <= v < self.capacity:
                 # clear the slot's generation, then look at the other engines' pins: a
-                # lookup that pinned it first is seen here; one that pins it later sees 0
+                # lookup that pinned it first is seen here; one that pins it later sees 0.
+                # An engine that attached after the peers were listed is not in them:
+                # W_EPOCH moved on, and nothing more is taken until they are listed again
+                # (read after the pins: an engine whose attach it misses pins later, and
+                # its lookup sees this 0).
                 old = KT_LOAD64(&self.sgen[v])
                 KT_STORE64(&self.sgen[v], 0)
                 if self._peer_pinned(<uint32_t>v):
                     KT_STORE64(&self.sgen[v], old)
                     continue
+                if self.check_epoch and KT_LOAD64(&self.shdr[W_EPOCH]) != self.peers_epoch:
+                    KT_STORE64(&self.sgen[v], old)
+                    break
             if key is not None and ready:
                 _fingerprint(<bytes?>key, &fp, &fp2)
                 i = self._find(fp, fp2)
