@@ -443,6 +443,7 @@ class EngineHarness:
         # block id -> (prefix hash of last written token, tokens written in
         # the block, KV cache group) for blocks the harness forward wrote itself.
         self._block_owner: dict[int, tuple[int, int]] = {}
+        self._forget_owner_of_new_blocks()
         self._req_counter = itertools.count()
         self._hid = next(_HARNESS_IDS)
         self._pending: tuple[Any, Any] | None = None  # async scheduling lag
@@ -575,6 +576,25 @@ class EngineHarness:
         self.mamba_state_bytes = next(
             (s.real_page_size_bytes for s in self.group_specs if isinstance(s, MambaSpec)), 0)
         self._hybrid = self.num_groups > 1
+
+    def _forget_owner_of_new_blocks(self) -> None:
+        """A block vLLM's block pool hands out as new (``get_new_blocks``: free, its
+        hash evicted or reset) is not a prefix-cache hit, whatever bytes it still holds:
+        forget what the forward once wrote there. Otherwise a load into a block that
+        held the same content before (the free queue cycles blocks back to the same
+        requests, e.g. a replay after ``reset_prefix_cache``) counted as a local hit,
+        not in ``blocks_loaded``."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        get_new_blocks = pool.get_new_blocks
+        owner = self._block_owner
+
+        def new_blocks(num_blocks: int):
+            blocks = get_new_blocks(num_blocks)
+            for b in blocks:
+                owner.pop(b.block_id, None)
+            return blocks
+
+        pool.get_new_blocks = new_blocks
 
     def _build_scheduler(self, hash_algo: str):
         from vllm.utils.hashing import get_hash_fn_by_name
@@ -909,7 +929,8 @@ class EngineHarness:
             end = min((i + 1) * bs, num_computed)
             key = (int(hashes[end - 1]), end - i * bs, g)
             owner = self._block_owner.get(bid)
-            # A block the harness wrote with exactly this content is a local
+            # A block the harness wrote with exactly this content (and vLLM did not
+            # hand out anew since, see _forget_owner_of_new_blocks) is a local
             # prefix-cache hit; anything else arrived from outside.
             if owner is None or owner[0] != key[0] or owner[1] < key[1] or owner[2] != g:
                 self.stats["blocks_loaded"] += 1

@@ -157,6 +157,8 @@ def _serve_through_a_failure(tmp_path, disks, fail) -> None:
         before = dict(h.stats)
         st = h.run(ps + qs, max_tokens=2)
         assert st["blocks_mismatched"] == 0, h.mismatches[:2]
+        # every stored block is a hit vLLM takes from the connector, and is loaded
+        assert st["external_hit_tokens"] - before["external_hit_tokens"] == (6 * 9 + 6 * 7) * 16
         assert st["blocks_loaded"] - before["blocks_loaded"] == 6 * 9 + 6 * 7
         assert st["invalid_block_ids"] == before["invalid_block_ids"]    # nothing failed
         _quiet(h)

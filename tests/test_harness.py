@@ -307,3 +307,28 @@ def test_async_load_error_is_recomputed():
         assert st["blocks_mismatched"] == 0, h.mismatches
         assert st["blocks_loaded"] == 2 * 2  # the two good blocks before the failure
         h.assert_no_leaks()
+
+
+def test_a_load_into_a_block_that_held_the_same_content_counts_as_loaded():
+    """vLLM hands a block out as new (free, its hash evicted or reset) whatever bytes it
+    still holds: a load into it is a load (`blocks_loaded`), also when the free queue
+    cycles the block back to the same position of the same prompt, as a replay after
+    reset_prefix_cache does on a small GPU cache (the harness once counted such a block
+    as a local hit, which vLLM never made of it)."""
+    _TOY_STORE.clear()
+    _TOY_FAIL.clear()
+    prompts = _prompts(7, 1, 2 * 16 + 1)           # 2 full blocks + 1 token: 3 blocks
+    with EngineHarness(num_gpu_blocks=4, kv_transfer_config=_TOY) as h:
+        h.run(prompts, max_tokens=1)               # computed, then stored by the toy
+        tables = [h.block_table(list(h.finished)[-1])]
+        for _ in range(3):
+            assert h.scheduler.reset_prefix_cache()
+            before = dict(h.stats)
+            st = h.run(prompts, max_tokens=1)
+            assert st["external_hit_tokens"] - before["external_hit_tokens"] == 2 * 16
+            assert st["blocks_loaded"] - before["blocks_loaded"] == 2
+            assert st["blocks_mismatched"] == 0, h.mismatches
+            tables.append(h.block_table(list(h.finished)[-1]))
+        # the case itself: some pass got a loaded block where the pass before had it
+        assert any(a[i] == b[i] for a, b in zip(tables, tables[1:]) for i in (0, 1)), tables
+        h.assert_no_leaks()
