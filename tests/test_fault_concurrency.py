@@ -3,8 +3,9 @@
 One server (CPU harness with the kvstore connector, 2 TP ranks, a store far smaller
 than the workload so it evicts and rewrites slots all the time) runs in a child process
 for the whole module. Next to it: `kvstore fsck --deep` must report no false
-corruption, a second serving instance must be refused naming the holder's pid, and
-`kvstore warmup` must refuse to write with a message that says what to do.
+corruption, a second engine must attach and serve the server's blocks while the server
+keeps serving (issue 16), and `kvstore warmup` must refuse to write with a message that
+says what to do.
 
 Covered elsewhere: fsck --deep next to a DiskStore writer and fsck --repair refused
 while one holds the lock (test_fsck.py::test_fsck_while_a_writer_serves); a second
@@ -13,6 +14,7 @@ test_second_writer_refused_with_pid_and_readonly_allowed).
 """
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -20,10 +22,10 @@ import time
 
 import pytest
 
-from connector_util import kv_config, open_fds
-from fault_child import HARNESS
+from connector_util import open_fds
+from fault_child import BS, HARNESS, workload
+from fault_child import kv_config as child_kv_config
 from fault_util import REPO, Zygote, fsck_json, progress
-from kvstore import StoreLocked
 from kvstore.engine import DiskStore
 from kvstore.layout import read_fingerprint
 
@@ -94,18 +96,59 @@ def test_fsck_deep_while_serving_reports_no_false_corruption(server):
     assert changed > 0, "no entry changed during a check: the race was never exercised"
 
 
-def test_second_server_on_the_same_store_is_refused_with_the_pid(server, tmp_path):
-    before = open_fds()
+def _documents(seed: int = 7) -> list[list[int]]:
+    """The shared documents of `fault_child.workload(seed)` (the same draws, in order)."""
+    rng = random.Random(seed)
+    [rng.randrange(10, 30000) for _ in range(2 * BS)]          # the system prefix
+    return [[rng.randrange(10, 30000) for _ in range(rng.randrange(3 * BS, 9 * BS))] for _ in range(5)]
+
+
+def test_second_engine_on_the_same_store_attaches_while_the_first_keeps_serving(server, tmp_path):
+    """Issue 16: a second engine (this process) attaches to the store the server is
+    serving; blocks the server stored are its hits, every loaded block verifies, and the
+    server never notices. On shutdown its lease goes and its fds close."""
+    from kvstore import shared
     from kvstore.testing import EngineHarness
-    with pytest.raises(StoreLocked) as ei:
-        EngineHarness(kv_transfer_config=kv_config(server.store, capacity="640K"),
-                      model_dir=str(server.store.parent / "model"), workdir=str(tmp_path),
-                      **HARNESS)
-    assert ei.value.pid == server.pid
-    assert f"pid {server.pid}" in str(ei.value) and str(server.store) in str(ei.value)
-    del ei
+    before = open_fds()
+    seen = len(progress(server.lines))
+    h = EngineHarness(kv_transfer_config=child_kv_config(str(server.store)),
+                      model_dir=str(server.store.parent / "model"), workdir=str(tmp_path), **HARNESS)
+    try:
+        live = sorted(e.pid for e in shared.engines(str(server.store)) if e.alive)
+        assert live == sorted([server.pid, os.getpid()]), live
+        # Each document once, bare (half of the server's requests are so): nothing this
+        # engine stored is a prefix of another, so every block it loads the server stored.
+        rng = random.Random(99)
+        from_server = 0
+        for attempt in range(5):
+            if attempt:   # none was on disk: drop the store (this engine's blocks too)
+                h.scheduler.reset_prefix_cache()
+                server.wait_progress(2)         # and let the server store again
+            for d in _documents():
+                n = h.stats["blocks_loaded"]
+                h.run([d + [rng.randrange(10, 30000) for _ in range(3)]], max_tokens=2)
+                from_server += h.stats["blocks_loaded"] - n
+                server.drain()
+            if from_server:
+                break
+        assert from_server > 0, "no block the server stored was ever a hit here"
+        for batch in workload():            # then the server's own traffic, next to it
+            h.run(batch, max_tokens=2)
+            server.drain()
+        st = dict(h.stats)
+    finally:
+        h.shutdown()
+    assert st["blocks_mismatched"] == 0, h.mismatches
+    assert st["blocks_loaded"] > 0
+    print(f"second engine: {from_server} blocks of the server's loaded first (attempt {attempt + 1}), "
+          f"{st['blocks_loaded']} loaded and {st['blocks_verified']} verified in all")
+    # Its lease went with it; the server alone holds the store, and kept serving meanwhile
+    # with no mismatch.
+    assert [e.pid for e in shared.engines(str(server.store))] == [server.pid]
+    last = server.wait_progress(1)
+    assert len(progress(server.lines)) > seen and last["blocks_mismatched"] == 0
+    del h
     assert not {f for f in open_fds() - before if "pytest" not in f}
-    server.wait_progress(1)                  # the first server did not notice
 
 
 def test_warmup_into_a_served_store_is_refused_with_what_to_do(server, tmp_path):

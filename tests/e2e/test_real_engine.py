@@ -16,6 +16,7 @@ import pytest
 from e2e_util import (
     MAX_TOKENS, assert_same, copy_store, fsck, info, kvstore_cli, wait_stored,
 )
+from kvstore import shared
 from kvstore.serving.client import Client
 from kvstore.serving.server import ServerStartError
 from kvstore.serving.workload import Workload
@@ -144,10 +145,11 @@ def test_full_disk_keeps_serving_identical_tokens(serve, workload, reference, sm
 def test_sigkill_while_storing_then_fsck_clean_and_identical_tokens(serve, workload, reference, tmp_path):
     store = tmp_path / "store"
     s = serve.server(store).start()
-    # A second server on a store that is being served is refused at start, by name.
-    with pytest.raises(ServerStartError) as err:
-        serve.server(store).start()
-    assert "StoreLocked" in str(err.value) and "kvstore" in str(err.value), str(err.value)
+    # A second server on a store that is being served attaches to it (issue 16): both
+    # engine cores hold a live lease, and the second one outlives the kill below.
+    other = serve.server(store).start()
+    live = [e for e in shared.engines(str(store)) if e.alive]
+    assert sorted(os.getpgid(e.pid) for e in live) == sorted([s.proc.pid, other.proc.pid]), live
     # Traffic with new prefixes keeps the store busy; kill -9 the whole server mid-way.
     stop = threading.Event()
     many = Workload(workload.spec, documents=6, doc_tokens=900, questions=1, sessions=4, turns=2,
@@ -169,8 +171,14 @@ def test_sigkill_while_storing_then_fsck_clean_and_identical_tokens(serve, workl
     assert not stop.is_set(), "the traffic ended before any store completed"
     s.kill()
     t.join(60)
-    code, doc = fsck(store)
+    code, doc = fsck(store)                 # next to the survivor
     assert code == 0 and doc["findings"] == [], doc
+    assert other.healthy(), "the other server died with the killed one"
+    deadline = time.monotonic() + 30        # it reclaims the dead engine's lease
+    while any(not e.alive for e in shared.engines(str(store))):
+        assert time.monotonic() < deadline, "the dead server's lease was never reclaimed"
+        time.sleep(0.5)
+    other.stop()
     with serve.running(store) as s2:
         assert_same(reference, replay(s2, workload), workload)
     code, doc = fsck(store, "--deep")
