@@ -723,7 +723,15 @@ class KVStoreScheduler:
     def has_pending_stores(self) -> bool:
         # A store is pending until its commit's outcome is taken in a step (its stats and
         # events are published with that step's output).
-        if self._committing and not self._inflight_stores and not self._requests:
+        if not self._requests and self._inflight_stores:
+            # Nothing to schedule but stores the workers are still writing: vLLM steps
+            # empty steps back to back meanwhile (1 ms apart), and each one keeps its
+            # worker's message loop busy-polling; with one core per engine that starved
+            # the worker's I/O thread until the stores never finished (seen in the e2e
+            # tests with VLLM_CPU_OMP_THREADS_BIND one core per server, 4 of 4 runs; with
+            # this pause 0 of 3). Idle engines only: a request arriving waits 5 ms at most.
+            time.sleep(0.005)
+        elif self._committing and not self._inflight_stores and not self._requests:
             # Nothing but commits left: the engine would spin on empty steps, taking the
             # GIL from the index thread it waits for; sleep until it reports (2 ms at most).
             self.index.wait_events(0.002)
