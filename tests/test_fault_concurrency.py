@@ -151,7 +151,9 @@ def test_second_engine_on_the_same_store_attaches_while_the_first_keeps_serving(
     assert not {f for f in open_fds() - before if "pytest" not in f}
 
 
-def test_warmup_into_a_served_store_is_refused_with_what_to_do(server, tmp_path):
+def test_warmup_next_to_a_serving_engine_writes_and_the_server_keeps_serving(server, tmp_path):
+    """Issue 16: warmup attaches to the served store as one more engine (it used to be
+    refused with the server's pid); the server does not notice."""
     layout, _, _ = read_fingerprint(str(server.store))
     src = str(tmp_path / "src")
     with DiskStore.create(src, layout, "256K", io=True) as st:
@@ -159,15 +161,21 @@ def test_warmup_into_a_served_store_is_refused_with_what_to_do(server, tmp_path)
 
     def warmup(*args):
         return subprocess.run([sys.executable, "-m", "kvstore.cli", "warmup", str(server.store),
-                               "--from-store", src, "--all", "-q", *args],
+                               "--from-store", src, "--all", "-q", "--json", *args],
                               capture_output=True, text=True, timeout=120, cwd=REPO)
-    r = warmup()
-    assert r.returncode == 1, r
-    msg = r.stderr
-    assert f"pid {server.pid}" in msg and "Stop that process" in msg and "--dry-run" in msg, msg
-    r = warmup("--dry-run", "--json")       # the read-only way still works while it serves
+    r = warmup("--dry-run")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["dry_run"] and doc["blocks"] == 3
-    assert doc["blocks_written"] + doc["blocks_no_space"] == 3   # the served store is full
-    server.wait_progress(1)
+    r = warmup("--allow-evict-hotter")      # the served store is full: warm blocks evict
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert not doc["dry_run"] and doc["blocks_written"] == 3, doc
+    # on disk and verified, those the server's own traffic has not evicted again since
+    with DiskStore(str(server.store), readonly=True, io=True) as ro:
+        got = {k: ro.get([k], touch=False).get(k) for k in (b"w0", b"w1", b"w2")}
+    for i in range(3):
+        if got[b"w%d" % i] is not None:
+            assert got[b"w%d" % i][0] == bytes([i]) * layout.block_bytes
+    last = server.wait_progress(1)          # and the server kept serving meanwhile
+    assert last["blocks_mismatched"] == 0
