@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from kvstore._slotfile import SlotFile
-from kvstore.errors import ConfigError, KVStoreError, StoreFull, StoreLocked, StoreNotFound
+from kvstore.errors import ConfigError, KVStoreError, StoreLocked, StoreNotFound
 from kvstore.index import Entry, Index
 from kvstore.shared import W_VALID, Lease, StoreLock
 from kvstore.layout import (
@@ -313,12 +313,21 @@ class _SharedClaim:
     peers were listed (its pins are not among them)."""
 
     def __init__(self, own, lease):
-        self.own, self.slots = own, lease.slots
+        self.own, self.slots, self.lease = own, lease.slots, lease
         self.epoch = lease.epoch        # before the list: an engine attaching later moves it
         self.peers = lease.peers()
 
     def __contains__(self, s) -> bool:
-        return s in self.own or not self.slots.try_clear(s, self.peers, self.epoch)
+        if s in self.own:
+            return True
+        for _ in range(3):
+            if self.lease.epoch == self.epoch:
+                break
+            # an engine came or went: list them again (inside the reservation's LMDB
+            # transaction, so without the ATTACH lock)
+            self.epoch = self.lease.epoch
+            self.peers = self.lease.peers(probe=False)
+        return not self.slots.try_clear(s, self.peers, self.epoch)
 
     def __len__(self) -> int:
         return len(self.own)
@@ -588,15 +597,8 @@ class DiskStore:
             items, evicted = self._writable().reserve(list(keys), self._pins.keys())
             return [SlotRef(k, s, g) for k, s, g in items], evicted
         self.lease.reap(self._reclaim)  # a dead engine's pins and reservations go first
-        for attempt in range(3):
-            claim = _SharedClaim(self._pins.keys(), self.lease)
-            try:
-                items, evicted = self._writable().reserve(list(keys), claim)
-                break
-            except StoreFull:
-                # refused because an engine came or went meanwhile: list them again
-                if attempt == 2 or self.lease.epoch == claim.epoch:
-                    raise
+        claim = _SharedClaim(self._pins.keys(), self.lease)
+        items, evicted = self._writable().reserve(list(keys), claim)
         return [SlotRef(k, s, g) for k, s, g in items], evicted
 
     def commit(self, refs: Sequence[SlotRef]) -> None:

@@ -143,22 +143,26 @@ class _MapGuard:
     open one; with a store shared by several engines the scheduler thread reads LMDB
     (another engine's blocks) while the index thread writes, and every engine meets the
     other engines' growth (MDB_MAP_RESIZED) at its next transaction. Transactions hold
-    the guard shared; a re-map waits until none is open, and none begins during it."""
+    the guard shared; a re-map waits until none is open, and while it waits or runs no
+    new one begins (else a thread that reads in a loop starves it), except in a thread
+    that holds one already."""
 
-    __slots__ = ("_cond", "_active", "_resizing", "_local")
+    __slots__ = ("_cond", "_active", "_resizing", "_pending", "_local")
 
     def __init__(self):
         self._cond = threading.Condition(threading.Lock())
         self._active = 0
         self._resizing = False
+        self._pending = 0
         self._local = threading.local()
 
     def enter(self) -> None:
+        depth = getattr(self._local, "depth", 0)
         with self._cond:
-            while self._resizing:
+            while depth == 0 and (self._resizing or self._pending):
                 self._cond.wait()
             self._active += 1
-        self._local.depth = getattr(self._local, "depth", 0) + 1
+        self._local.depth = depth + 1
 
     def exit(self) -> None:
         self._local.depth -= 1
@@ -173,7 +177,14 @@ class _MapGuard:
         if getattr(self._local, "depth", 0):
             return False
         with self._cond:
-            if not self._cond.wait_for(lambda: self._active == 0 and not self._resizing, timeout):
+            self._pending += 1
+            try:
+                ok = self._cond.wait_for(lambda: self._active == 0 and not self._resizing,
+                                         timeout)
+            finally:
+                self._pending -= 1
+            if not ok:
+                self._cond.notify_all()     # the transactions held back may begin
                 return False
             self._resizing = True
         try:

@@ -644,9 +644,18 @@ class ServingIndex:
     def _claim(self, removed: list):
         """reserve_pool's claim: refuse pinned slots; evicted keys leave the table first."""
         table = self._table
+        lease = self.lease
 
         def claim(cands):
             with self._lock:        # one C call: the step thread waits microseconds at most
+                for _ in range(3):
+                    if lease is None or not table.peers_stale:
+                        break
+                    # an engine came or went since the peers were listed: list them
+                    # again now (the claim takes nothing from stale peers), without the
+                    # ATTACH lock: this runs inside an LMDB write transaction
+                    epoch = lease.epoch
+                    table.set_peers(lease.peers(probe=False), epoch)
                 taken, gone = table.claim(cands, self._ready)
             removed.extend(gone)
             return taken

@@ -414,8 +414,12 @@ class Lease:
     def epoch(self) -> int:
         return self.slots.load(W_EPOCH) if self.slots is not None else 0
 
-    def peers(self) -> list[SharedMap]:
-        """The other live engines' pin maps (mapped once per lease file)."""
+    def peers(self, probe: bool = True) -> list[SharedMap]:
+        """The other live engines' pin maps (mapped once per lease file). Without `probe`
+        a lease not mapped yet is taken without asking whether its owner lives (no
+        engines/ATTACH lock: for an eviction claim inside an LMDB write transaction,
+        where waiting for ATTACH could deadlock with an attach section reclaiming a
+        dead engine's reservations; a dead engine's pins only keep its slots a while)."""
         out = []
         seen = set()
         for p in _lease_files(self.store_dir):
@@ -431,7 +435,7 @@ class Lease:
                 try:
                     if os.fstat(fd).st_size < HDR + 4 * self.capacity:
                         continue        # still being created
-                    if not _alive(fd, p):
+                    if probe and not _alive(fd, p):
                         continue        # a dead engine's pins protect nothing
                     m = SharedMap(fd, HDR + 4 * self.capacity, False)
                 finally:

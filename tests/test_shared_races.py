@@ -197,8 +197,12 @@ ix.close(); st.close()
 
 def test_an_eviction_claim_sees_an_engine_that_attached_since_its_peers_were_mapped(tmp_path, procs):
     """The serving index maps the other engines' pin arrays between rounds of its index
-    thread (`_follow_peers`); an engine that attaches and pins a slot before the next
-    round was invisible to the eviction claim, which took the pinned slot."""
+    thread (`_follow_peers`); an engine that attached and pinned a slot before the next
+    round was invisible to the eviction claim, which took the pinned slot. The claim now
+    lists the engines again when one came or went (and a table whose list is stale takes
+    nothing), without refusing what it may take: a refill right after an attach is not
+    lost (refusing it left the pool empty for a round, and walked every never-used slot
+    into the free list)."""
     from kvstore.serving_index import ServingIndex
     path = make(tmp_path, 16)
     with DiskStore(path) as st:
@@ -207,17 +211,23 @@ def test_an_eviction_claim_sees_an_engine_that_attached_since_its_peers_were_map
         ix.commit([(k(0), *[x[0] for x in ix.take([k(0)])])])
         ix.flush()
         e = st.lookup(k(0))
+        ix.close()                  # no index thread: nothing follows the peers any more
         assert ix._table.peer_count == 0
-        with ix._lock:              # the index thread does not follow peers meanwhile
-            p, out, go = _spawn(_pinner, path, [e.slot])
-            procs.append(p)
-            assert out.get(timeout=60)[0] == "pinned"
+        p, out, go = _spawn(_pinner, path, [e.slot])
+        procs.append(p)
+        assert out.get(timeout=60)[0] == "pinned"
+        assert ix._table.peers_stale
+        free = next(s_ for s_ in st.index.iter_free() if s_ != e.slot)
+        with ix._lock:              # the table alone, its peers as they were listed
             taken, _ = ix._table.claim([(k(0), e.slot)], True)
         assert e.slot not in taken, "a slot another engine pins was taken"
         assert st.shared_slots.generation(e.slot) == e.generation
+        taken = ix._claim([])([(None, free), (k(0), e.slot)])  # the index thread's claim
+        assert taken == {free}
+        assert ix._table.peer_count == 1 and not ix._table.peers_stale
+        assert st.shared_slots.generation(e.slot) == e.generation
         go.put("go")
         assert out.get(timeout=60)[0] == "closed"
-        ix.close()
 
 
 # -- LMDB shared by several processes ----------------------------------------------------

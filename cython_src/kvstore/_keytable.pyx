@@ -380,6 +380,12 @@ cdef class KeyTable:
     def peer_count(self):
         return self.npeers
 
+    @property
+    def peers_stale(self):
+        """An engine attached or left since the peers were listed (`set_peers` with an
+        epoch): list them again before a claim, or it takes nothing."""
+        return self.check_epoch and self.shdr != NULL and KT_LOAD64(&self.shdr[W_EPOCH]) != self.peers_epoch
+
     cdef inline bint _peer_pinned(self, uint32_t v) noexcept nogil:
         cdef int j
         for j in range(self.npeers):
@@ -880,8 +886,8 @@ cdef class KeyTable:
                 # lookup that pinned it first is seen here; one that pins it later sees 0.
                 # An engine that attached after the peers were listed is not in them:
                 # W_EPOCH moved on, and nothing more is taken until they are listed again
-                # (read after the pins: an engine whose attach it misses pins later, and
-                # its lookup sees this 0).
+                # (`peers_stale`; read after the pins: an engine whose attach it misses
+                # pins later, and its lookup sees this 0).
                 old = KT_LOAD64(&self.sgen[v])
                 KT_STORE64(&self.sgen[v], 0)
                 if self._peer_pinned(<uint32_t>v):
