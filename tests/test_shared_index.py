@@ -220,3 +220,45 @@ def test_exclusive_open_waits_for_no_engine(tmp_path, child):
     b("stop")
     b.proc.join(10)
     DiskStore(path, exclusive=True).close()
+
+
+def test_sweep_drops_only_entries_whose_slot_moved_on_slice_by_slice(tmp_path):
+    """The index thread's sweep (KeyTable.sweep over the shared generations), unit level."""
+    from kvstore._keytable import KeyTable, SharedMap
+
+    def mapped(name, size):
+        fd = os.open(tmp_path / name, os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, size)
+        m = SharedMap(fd, size, True)
+        os.close(fd)
+        return m
+    n = 5000
+    slots, pins = mapped("slots", 4096 + 8 * n), mapped("pins", 4096 + 4 * n)
+    t = KeyTable(n)
+    t.attach(slots, pins)
+    keys = [k(i) for i in range(n)]
+    t.put_many(keys, list(range(n)), [i + 1 for i in range(n)])
+    slots.publish(list(range(n)), [i + 1 for i in range(n)])
+    assert t.sweep() == (0, 0)                  # not valid yet: nothing is judged
+    slots.store(shared.W_VALID, 1)
+    moved = list(range(0, n, 7))
+    slots.retract(moved[: len(moved) // 2])                     # evicted by another engine
+    slots.publish(moved[len(moved) // 2:], [10 ** 9] * (len(moved) - len(moved) // 2))  # reused
+    def one_pass():
+        dropped, start, rounds = 0, 0, 0
+        while True:                             # in slices, as the index thread does
+            d, start = t.sweep(start, 1024)
+            dropped += d
+            rounds += 1
+            if start == 0:
+                return dropped, rounds
+    first, rounds = one_pass()
+    # a deletion shifts a later bucket back: one that crosses into a slice already swept
+    # waits for the next pass
+    second, _ = one_pass()
+    assert rounds > 1 and first > 0.9 * len(moved)
+    assert first + second == len(moved) == t.stale_dropped
+    assert len(t) == n - len(moved)
+    assert all(t.get(keys[i]) is None for i in moved)
+    assert all(t.get(keys[i]) == (i, i + 1) for i in range(n) if i % 7)
+    assert t.sweep() == (0, 0)

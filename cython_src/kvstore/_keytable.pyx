@@ -72,6 +72,8 @@ cdef extern from *:
 DEF BATCH = 32
 DEF SHARED_HDR = 4096   # bytes before the array in a SharedMap file
 DEF MAX_PEERS = 256
+DEF _ON_DEVICE = 0      # what KeyTable._remove_where removes: a device's entries,
+DEF _STALE = 1          # or those whose slot moved on
 DEF W_EPOCH = 2         # slots map header word: + 1 whenever an engine attaches or leaves
 DEF KEY_MAX = 68     # a vLLM block hash (32 bytes for sha256; up to 64) + 4-byte group id
 
@@ -411,39 +413,60 @@ cdef class KeyTable:
         a large table is swept in slices. Returns (count dropped, next start: 0 after the
         last slice)."""
         cdef uint64_t size = self.mask + 1
-        cdef uint64_t i, b, e, k = 0, m = 0
-        cdef uint64_t *fps
-        cdef uint32_t *fp2s
-        cdef Py_ssize_t j
+        cdef uint64_t b, e, k = 0
         if start < 0 or <uint64_t>start >= size:
             start = 0
         b = <uint64_t>start
         e = size if count < 0 or b + <uint64_t>count >= size else b + <uint64_t>count
-        if not self._validating():
-            return 0, (0 if e >= size else <Py_ssize_t>e)
-        for i in range(b, e):
-            if self.t[i].fp != 0 and self.t[i].slot < self.capacity and self._stale(self.t[i].slot, self.t[i].gen):
-                m += 1
-        if m:
-            fps = <uint64_t *>calloc(<size_t>m, sizeof(uint64_t))
-            fp2s = <uint32_t *>calloc(<size_t>m, sizeof(uint32_t))
-            if fps == NULL or fp2s == NULL:
-                free(fps)
-                free(fp2s)
-                raise MemoryError("sweep: cannot allocate the removal list")
-            for i in range(b, e):
-                if k < m and self.t[i].fp != 0 and self.t[i].slot < self.capacity and self._stale(self.t[i].slot, self.t[i].gen):
-                    fps[k] = self.t[i].fp
-                    fp2s[k] = self.t[i].fp2
-                    k += 1
-            for i in range(k):
-                j = self._find(fps[i], fp2s[i])
-                if j >= 0:
-                    self._delete_at(<uint64_t>j)
-            free(fps)
-            free(fp2s)
+        if self._validating():
+            k = self._remove_where(b, e, _STALE, 0, 0)
             self.stale_dropped += k
         return <Py_ssize_t>k, (0 if e >= size else <Py_ssize_t>e)
+
+    # -- removing every entry that matches (a failed device's, stale ones) ------------
+    cdef inline bint _matches(self, uint64_t i, int what, uint32_t ndev, uint32_t dev) noexcept nogil:
+        cdef Bucket *t = &self.t[i]
+        if t.fp == 0:
+            return False
+        if what == _ON_DEVICE:
+            return t.slot % ndev == dev
+        return t.slot < self.capacity and self._stale(t.slot, t.gen)
+
+    cdef uint64_t _count_where(self, uint64_t b, uint64_t e, int what, uint32_t ndev,
+                               uint32_t dev) noexcept nogil:
+        cdef uint64_t i, m = 0
+        for i in range(b, e):
+            if self._matches(i, what, ndev, dev):
+                m += 1
+        return m
+
+    cdef uint64_t _remove_where(self, uint64_t b, uint64_t e, int what, uint32_t ndev,
+                                uint32_t dev) except? 0:
+        """Remove the entries of buckets [b, e) that match; returns the count. Collected
+        by fingerprint first: a deletion shifts later buckets back, so each entry is
+        found again before it goes."""
+        cdef uint64_t i, k = 0, m = self._count_where(b, e, what, ndev, dev)
+        cdef Py_ssize_t j
+        if m == 0:
+            return 0
+        cdef uint64_t *fps = <uint64_t *>calloc(<size_t>m, sizeof(uint64_t))
+        cdef uint32_t *fp2s = <uint32_t *>calloc(<size_t>m, sizeof(uint32_t))
+        if fps == NULL or fp2s == NULL:
+            free(fps)
+            free(fp2s)
+            raise MemoryError("KeyTable: cannot allocate the removal list")
+        for i in range(b, e):
+            if k < m and self._matches(i, what, ndev, dev):
+                fps[k] = self.t[i].fp
+                fp2s[k] = self.t[i].fp2
+                k += 1
+        for i in range(k):
+            j = self._find(fps[i], fp2s[i])
+            if j >= 0:
+                self._delete_at(<uint64_t>j)
+        free(fps)
+        free(fp2s)
+        return k
 
     def __len__(self):
         return self.n
@@ -929,42 +952,13 @@ cdef class KeyTable:
         loads end as failures and unpin). Returns the count removed."""
         if ndev == 0 or dev >= ndev:
             raise ValueError(f"remove_device: device {dev} of {ndev}")
-        cdef uint64_t i, size = self.mask + 1, k = 0, m = 0
-        for i in range(size):
-            if self.t[i].fp != 0 and self.t[i].slot % ndev == dev:
-                m += 1
-        if m == 0:
-            return 0
-        cdef uint64_t *fps = <uint64_t *>calloc(<size_t>m, sizeof(uint64_t))
-        cdef uint32_t *fp2s = <uint32_t *>calloc(<size_t>m, sizeof(uint32_t))
-        cdef Py_ssize_t j
-        if fps == NULL or fp2s == NULL:
-            free(fps)
-            free(fp2s)
-            raise MemoryError("remove_device: cannot allocate the removal list")
-        for i in range(size):
-            if self.t[i].fp != 0 and self.t[i].slot % ndev == dev:
-                fps[k] = self.t[i].fp
-                fp2s[k] = self.t[i].fp2
-                k += 1
-        # deletions shift later buckets back: find each entry again by its fingerprint
-        for i in range(k):
-            j = self._find(fps[i], fp2s[i])
-            if j >= 0:
-                self._delete_at(<uint64_t>j)
-        free(fps)
-        free(fp2s)
-        return k
+        return self._remove_where(0, self.mask + 1, _ON_DEVICE, ndev, dev)
 
     def count_device(self, uint32_t ndev, uint32_t dev):
         """Entries whose slot lives on device `dev` of `ndev` (tests, diagnostics)."""
-        cdef uint64_t i, size = self.mask + 1, m = 0
         if ndev == 0:
             return 0
-        for i in range(size):
-            if self.t[i].fp != 0 and self.t[i].slot % ndev == dev:
-                m += 1
-        return m
+        return self._count_where(0, self.mask + 1, _ON_DEVICE, ndev, dev)
 
     def put_many(self, list keys, list slots, list gens):
         """put() for each (key, slot, generation); a key already present keeps its entry.
