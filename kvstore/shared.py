@@ -82,6 +82,16 @@ def _open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
         raise
 
 
+def _close_quietly(fd: int | None) -> None:
+    """Close fd if it is open (a forked child's copy); returns None for the attribute."""
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    return None
+
+
 def process_start_ticks(pid: int | str = "self") -> int:
     """Field 22 of /proc/<pid>/stat: the process's start time in clock ticks since boot
     (with the pid, it names one process instance: pids are reused, this is not)."""
@@ -247,12 +257,7 @@ class StoreLock:
 
     def _forked(self) -> None:
         """In a forked child: drop this copy of the lock (the parent keeps it)."""
-        if self.fd is not None:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = None
+        self.fd = _close_quietly(self.fd)
 
     @staticmethod
     def holders(store_dir: str) -> list[int]:
@@ -339,12 +344,7 @@ class Lease:
                 self.pins.detach()
             except OSError:
                 pass
-        if self.fd is not None:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = None
+        self.fd = _close_quietly(self.fd)
         self._peer_maps.clear()
 
     def _open_slots(self, fresh: bool) -> None:

@@ -16,20 +16,8 @@ import pytest
 from kvstore import shared
 from kvstore.engine import DiskStore
 from kvstore.errors import StoreFull
-from kvstore.layout import Layout
 
-BB = 4096
-LAYOUT = Layout(model="shared", dtype="float16", block_size=16, block_bytes=BB, num_layers=1,
-                num_kv_heads=1, head_dim=64, tp_size=1)
-
-
-def k(i: int, tag: bytes = b"a") -> bytes:
-    return tag + b"-%06d" % i + b"\x00" * 24
-
-
-def make(tmp_path, slots: int) -> str:
-    DiskStore.create(str(tmp_path / "store"), LAYOUT, slots * (BB + 4096)).close()
-    return str(tmp_path / "store")
+from shared_util import k, make
 
 
 def shared_agrees_with_lmdb(st: DiskStore) -> list[str]:
