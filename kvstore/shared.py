@@ -235,7 +235,16 @@ class StoreLock:
     def __init__(self, store_dir: str, *, exclusive: bool = False):
         self.path = os.path.join(store_dir, "LOCK")
         self.exclusive = exclusive
-        fd = _open_nofollow(self.path, os.O_RDWR | os.O_CREAT)
+        try:
+            fd = _open_nofollow(self.path, os.O_RDWR | os.O_CREAT)
+        except OSError as exc:
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            raise KVStoreError(
+                f"cannot open store {store_dir} for writing ({os.strerror(exc.errno)}): an engine "
+                "or repair writes to the store; make it writable (remount read-write, or run as "
+                "its owner), or open it read-only (kvstore info, kvstore fsck without --repair)"
+            ) from None
         try:
             fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -41,3 +41,22 @@ def test_one_directory_bind_mounted_twice_is_refused_by_name(tmp_path):
         subprocess.run(["umount", str(alias)], check=True)
     DiskStore.create(str(tmp_path / "store"), LAYOUT, 16 * 8192,
                      data_dirs=[str(a), str(b)]).close()            # distinct ones are fine
+
+
+def test_an_engine_on_a_read_only_store_is_refused_with_what_to_do(tmp_path):
+    """A store on a read-only mount: an engine is refused with a message (not a bare
+    OSError) and the store is unchanged; read-only openers still work."""
+    p = str(tmp_path / "store")
+    DiskStore.create(p, LAYOUT, 16 * 8192).close()
+    before = sorted(os.listdir(p))
+    subprocess.run(["mount", "--bind", p, p], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", p], check=True)
+        with pytest.raises(KVStoreError, match="read-only") as ei:
+            DiskStore(p)
+        assert "for writing" in str(ei.value) and "kvstore info" in str(ei.value)
+        DiskStore(p, readonly=True).close()
+    finally:
+        subprocess.run(["umount", p], check=True)
+    assert sorted(os.listdir(p)) == before
+    DiskStore(p).close()
