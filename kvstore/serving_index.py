@@ -28,11 +28,13 @@ engine's view, the pins live in its lease file (the others' evictions read them)
 store's shared slot generations say which entries still stand: a hit whose slot moved on
 (another engine evicted or dropped it) is cut there and leaves the table. A lookup that
 misses in the table while other engines are attached asks LMDB for the rest of the prefix
-(one read transaction: what another engine stored becomes a hit here, and joins the
-table). The index thread also reclaims the reservations of engines that died (their
-lease lock is free), follows engines that come and go, and sweeps stale entries. `SyncServingIndex` is the previous design (every operation on the
-caller's thread, fsync included), kept as the baseline `kvstore bench connector` compares
-against (`index_thread: false`).
+(what another engine stored becomes a hit here, and joins the table). The index thread
+also reclaims the reservations of engines that died (their lease lock is free), follows
+engines that come and go, and sweeps stale entries.
+
+`SyncServingIndex` is the previous design (every operation on the caller's thread, fsync
+included), kept as the baseline `kvstore bench connector` compares against
+(`index_thread: false`).
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ from kvstore.engine import DiskStore
 from kvstore.errors import KVStoreError, StoreFull
 from kvstore.index import Entry
 from kvstore.layout import block_key
+from kvstore.shared import W_ATTACHED
 
 log = logging.getLogger("kvstore.serving_index")
 
@@ -182,7 +185,8 @@ class ServingIndex:
                 n = self._table.validate_pinned(keys[:len(slots)], slots, gens)
                 del slots[n:], gens[n:]
             if len(slots) < len(keys) and self._shared_now():
-                more = self._peer_prefix(keys[len(slots):])
+                rest = keys[len(slots):]
+                more = self._peer_prefix(lambda a, b: rest[a:b], len(rest))
                 slots += more[1]
                 gens += more[2]
         return slots, gens
@@ -206,25 +210,29 @@ class ServingIndex:
         with self._lock:    # found and pinned in one C walk
             keys, slots, gens = self._table.prefix_of(hashes, start, stop, group, True)
             stop = min(stop, len(hashes))
-            if max(0, start) + len(keys) < stop and self._shared_now():
-                # other engines attached: what they stored may be in LMDB only
-                rest = [block_key(h, group) for h in hashes[max(0, start) + len(keys):stop]]
-                more = self._peer_prefix(rest)
+            base = max(0, start) + len(keys)
+            if base < stop and self._shared_now():
+                # other engines attached: what they stored may be in LMDB only (keys are
+                # made per chunk: a plain miss makes one)
+                more = self._peer_prefix(
+                    lambda a, b: [block_key(h, group) for h in hashes[base + a:base + b]],
+                    stop - base)
                 if more[0]:
                     keys += more[0]
                     slots += more[1]
                     gens += more[2]
             return keys, slots, gens
 
-    def _peer_prefix(self, keys: list[bytes]) -> tuple[list, list, list]:
-        """The longest prefix of keys that LMDB has (other engines' stores), pinned and
-        checked against the shared slot generations; it joins the table. Called under
-        _lock, on a miss in the table while other engines are attached: one read
-        transaction, in chunks, so a plain miss costs one lookup."""
+    def _peer_prefix(self, keys_at, n: int) -> tuple[list, list, list]:
+        """The longest prefix of the n keys (`keys_at(a, b)` makes keys a..b) that LMDB
+        has (other engines' stores), pinned and checked against the shared slot
+        generations; it joins the table. Called under _lock, on a miss in the table while
+        other engines are attached: a read transaction per chunk of 1, 8, 64, then 512
+        keys, so a plain miss costs one lookup."""
         out_k, out_s, out_g = [], [], []
         pos, chunk = 0, 1
-        while pos < len(keys):
-            part = keys[pos:pos + chunk]
+        while pos < n:
+            part = keys_at(pos, min(n, pos + chunk))
             try:
                 entries = self.index.longest_prefix(part)
             except KVStoreError as exc:     # e.g. a map another engine grew, not adopted yet
@@ -236,11 +244,11 @@ class ServingIndex:
             ss = [e.slot for e in entries]
             gs = [e.generation for e in entries]
             self._table.pin(ss)
-            n = self._table.validate_pinned(ks, ss, gs)
-            out_k += ks[:n]
-            out_s += ss[:n]
-            out_g += gs[:n]
-            if n < len(entries) or len(entries) < len(part):
+            kept = self._table.validate_pinned(ks, ss, gs)
+            out_k += ks[:kept]
+            out_s += ss[:kept]
+            out_g += gs[:kept]
+            if kept < len(entries) or len(entries) < len(part):
                 break
             pos += chunk
             chunk = min(chunk * 8, 512)
@@ -694,20 +702,15 @@ class ServingIndex:
             failed += len(good) - len(live)
             if dups:
                 # stored before us (by another engine, mostly): the entry that stands is
-                # the other one; our slot went back to free
+                # the other one, and the table takes it; our slot went back to free
                 known = {k for k, _, _ in dups}
-                live = [x for x in live if x[0] not in known]
+                live = [x for x in live if x[0] not in known] + dups
             if live:
                 # (their generations were published to the other engines inside the
                 # commit's LMDB transaction, `Index.commit`)
                 ks, ss, gs = (list(x) for x in zip(*live))
                 with self._lock:            # a duplicate keeps the existing entry
                     self._table.put_many(ks, ss, gs)
-            if dups:
-                with self._lock:
-                    self._table.put_many([d[0] for d in dups], [d[1] for d in dups],
-                                         [d[2] for d in dups])
-                live = live + dups
         except Exception as exc:
             # The index cannot be written (disk full...): the store is dropped and its
             # reservations are given back when the index can be written again.
@@ -788,7 +791,7 @@ class ServingIndex:
 
     def _shared_now(self) -> bool:
         """Other engines are attached (one shared word; the step thread asks it on a miss)."""
-        return self.lease is not None and self.lease.slots.load(5) > 1
+        return self.lease is not None and self.lease.slots.load(W_ATTACHED) > 1
 
     def _reclaim_owner(self, owner) -> None:
         if owner is not None:
