@@ -580,7 +580,7 @@ class DiskStore:
         """After pinning them: the longest prefix of entries whose slots still hold their
         generations (another engine may have evicted one just before the pin)."""
         sm = self.shared_slots
-        if sm is None or sm.load(3) != 1:       # not shared, or the array is being built
+        if sm is None or sm.load(W_VALID) != 1:     # not shared, or the array is being built
             return entries
         for i, e in enumerate(entries):
             if sm.generation(e.slot) != e.generation:
