@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -130,8 +131,9 @@ def test_devices_serve_in_parallel_with_their_own_queues(tmp_path, disks):
             assert sum(n for op, n in seen[d] if op == "write") == 15
             assert sum(n for op, n in seen[d] if op == "read") == 15
             assert ("fdatasync", 1) in seen[d]          # each device syncs its own file
-            # each ring is only ever used by its own device thread
-            assert len(threads[d]) == 1 and threads[d].pop().startswith(f"kvstore-dev{d}-")
+            # each device's rings are only ever used by its own lane threads (one per lane)
+            assert 1 <= len(threads[d]) <= rio.lanes
+            assert all(t.startswith(f"kvstore-dev{d}.") for t in threads[d]), threads[d]
         # a fault on one device fails only that device's blocks
         rio.rings[1].fault_injector = lambda op, fds, offs, lens: (
             [(i, "error", errno.EIO) for i in range(len(fds))] if op == "read" else [])
@@ -433,3 +435,50 @@ def test_damaged_data_dirs_field_is_refused(tmp_path, bad):
         read_fingerprint(str(tmp_path / "s"))
     with pytest.raises(KVStoreError, match="damaged"):
         gather(str(tmp_path / "s"))
+
+
+def _eio_first_read(op, fds, offs, lens):
+    """Fail the first read of each batch with EIO (one bad sector per batch)."""
+    return [(0, "error", errno.EIO)] if op == "read" and len(fds) else []
+
+
+def test_a_few_eios_cost_their_blocks_and_the_limit_fences_the_device(tmp_path, disks, fd_leak_check):
+    """A device is fenced on EIO only once `eio_limit` ops failed with it within the window
+    (below that, only the failed blocks fail); EROFS fences at once."""
+    with _create(tmp_path, disks, nslots=40, layout=LAYOUT1) as st:
+        ks = keys(30)
+        st.put(ks, payload)
+        refs = [SlotRef(e.key, e.slot, e.generation) for e in st.longest_prefix(ks)]
+        on1 = [r for r in refs if r.slot % 3 == 1]
+        rio = st.ranks[0]
+        rio.eio_limit = 4
+        rio.rings[1].fault_injector = _eio_first_read
+        try:
+            for n in range(1, 4):
+                errs = rio.read_blocks(on1[:1], lambda *a: None)
+                assert isinstance(errs[0], OSError) and errs[0].errno == errno.EIO
+                assert 1 not in rio.failed, f"fenced after {n} EIOs"
+            # the other blocks of the device still read
+            rio.rings[1].fault_injector = None
+            assert rio.read_blocks(on1[1:], lambda *a: None) == [None] * (len(on1) - 1)
+            rio.rings[1].fault_injector = _eio_first_read
+            rio.read_blocks(on1[:1], lambda *a: None)       # the 4th EIO
+            assert rio.failed[1].startswith("io_error") and "4 errors within" in rio.failed[1]
+            assert rio.io_errors[1] == 4 and rio.io_errors[0] == rio.io_errors[2] == 0
+            # EIOs spread wider than the window never add up (device 2)
+            rio.eio_window_s = 0.05
+            rio.rings[2].fault_injector = _eio_first_read
+            on2 = [r for r in refs if r.slot % 3 == 2]
+            for _ in range(6):
+                rio.read_blocks(on2[:1], lambda *a: None)
+                time.sleep(0.06)
+            assert 2 not in rio.failed and rio.io_errors[2] == 6
+            # a read-only remount fences at once
+            rio.rings[0].fault_injector = lambda op, fds, offs, lens: (
+                [(0, "error", errno.EROFS)] if op == "read" and len(fds) else [])
+            on0 = [r for r in refs if r.slot % 3 == 0]
+            rio.read_blocks(on0[:1], lambda *a: None)
+            assert rio.failed[0].startswith("readonly")
+        finally:
+            for ring in rio.rings:
+                ring.fault_injector = None

@@ -33,13 +33,16 @@ class ConnectorConfig:
     data_dirs: tuple[str, ...] | None = None   # one directory per device (docs/CONFIG.md)
     admission: str = "always"       # "second_sight": store a block only when seen before
     admission_window: int = 1 << 20   # first sightings the second-sight filter remembers
+    device_eio_limit: int = 10        # EIOs within device_eio_window_s that fence a device
+    device_eio_window_s: float = 600.0
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "ConnectorConfig":
         extra = dict(extra or {})
         known = {"path", "capacity", "io_mode", "queue_depth", "store_policy", "verify",
                  "durability", "staging", "load_timeout_s", "max_store_blocks_per_step", "create",
-                 "index_thread", "slot_pool", "data_dirs", "admission", "admission_window"}
+                 "index_thread", "slot_pool", "data_dirs", "admission", "admission_window",
+                 "device_eio_limit", "device_eio_window_s"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kvstore: unknown kv_connector_extra_config key(s) {unknown}; "
@@ -71,6 +74,9 @@ class ConnectorConfig:
         create = extra.get("create", True)
         if not isinstance(create, bool):
             raise ConfigError(f"kvstore: create={create!r} must be true or false")
+        window = extra.get("device_eio_window_s", 600.0)
+        if isinstance(window, bool) or not isinstance(window, (int, float)) or window <= 0:
+            raise ConfigError(f"kvstore: device_eio_window_s={window!r} must be a positive number of seconds")
         index_thread = extra.get("index_thread", True)
         if not isinstance(index_thread, bool):
             raise ConfigError(f"kvstore: index_thread={index_thread!r} must be true or false")
@@ -92,6 +98,8 @@ class ConnectorConfig:
             data_dirs=_data_dirs(extra.get("data_dirs")),
             admission=choice("admission", "always", ("always", "second_sight")),
             admission_window=integer("admission_window", 1 << 20, 16, 1 << 28),
+            device_eio_limit=integer("device_eio_limit", 10, 1, 1 << 20),
+            device_eio_window_s=float(window),
         )
 
 

@@ -61,7 +61,8 @@ class KVStoreWorker:
         ensure_store(cfg.path, layout, cfg.capacity, io_mode=cfg.io_mode, create=cfg.create,
                      data_dirs=cfg.data_dirs)
         self.io = RankIO(cfg.path, rank, layout=layout, io_mode=cfg.io_mode,
-                         queue_depth=cfg.queue_depth, staging_bytes=cfg.staging_bytes)
+                         queue_depth=cfg.queue_depth, staging_bytes=cfg.staging_bytes,
+                         eio_limit=cfg.device_eio_limit, eio_window_s=cfg.device_eio_window_s)
         self.transfer = None
         try:
             # Several KV cache groups (a hybrid model: full attention, sliding window,
