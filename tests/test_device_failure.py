@@ -142,6 +142,10 @@ def _serve_through_a_failure(tmp_path, disks, fail) -> None:
         last = h.kv_connector_stats[-1] if h.kv_connector_stats else {}
         stats = [x for x in h.kv_connector_stats if x.get("failed_devices")]
         assert stats and stats[-1].get("device_failed:" + dirs[1]) == 1, last
+        # the failed ops are counted on that device only (vllm:kvstore_device_io_errors)
+        cs = conn_stats(h)
+        errs = {d: cs.get("device_io_errors:" + d, 0) for d in dirs}
+        assert errs[dirs[1]] > 0 and errs[dirs[0]] == errs[dirs[2]] == 0, errs
         # later stores land only on the other devices (what was lost is stored again
         # there), and every load is verified
         drop_gpu_cache(h)

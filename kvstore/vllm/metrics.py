@@ -36,7 +36,11 @@ DEVICE_FAILED = "device_failed:"
 # vllm:kvstore_device_bytes_read_total{device=...}.
 DEVICE_WRITTEN = "device_bytes_written:"
 DEVICE_READ = "device_bytes_read:"
-_DEVICE_COUNTERS = (DEVICE_WRITTEN, DEVICE_READ)
+# Failed I/O ops per device (several data directories), exported as
+# vllm:kvstore_device_io_errors_total{device=...}: the EIOs below `device_eio_limit` that
+# cost only their blocks show here before a device is fenced.
+DEVICE_ERRORS = "device_io_errors:"
+_DEVICE_COUNTERS = (DEVICE_WRITTEN, DEVICE_READ, DEVICE_ERRORS)
 
 
 def _is_gauge(k: str) -> bool:
@@ -108,6 +112,11 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
                 name="vllm:kvstore_device_bytes_read",
                 documentation="Bytes kvstore read from a data directory (device), all ranks",
                 labelnames=list(labelnames) + ["device"]),
+            DEVICE_ERRORS: self._counter_cls(
+                name="vllm:kvstore_device_io_errors",
+                documentation="I/O ops that failed on a data directory (device), all ranks "
+                              "(EIO fences the device at device_eio_limit within its window)",
+                labelnames=list(labelnames) + ["device"]),
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
@@ -120,6 +129,6 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
                 self._device_failed.labels(*self._engine_labels[engine_idx],
                                            k[len(DEVICE_FAILED):]).set(v)
             elif k.startswith(_DEVICE_COUNTERS) and v:
-                p = DEVICE_WRITTEN if k.startswith(DEVICE_WRITTEN) else DEVICE_READ
+                p = next(p for p in _DEVICE_COUNTERS if k.startswith(p))
                 self._device_bytes[p].labels(*self._engine_labels[engine_idx],
                                              k[len(p):]).inc(v)

@@ -26,7 +26,7 @@ from kvstore.rankio import RankIO, SlotRef
 from kvstore.transfer import KVTransfer, check_groups_alias
 from kvstore.vllm.config import ConnectorConfig, carrier_group
 from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob, StoreReport
-from kvstore.vllm.metrics import DEVICE_READ, DEVICE_WRITTEN, KVStoreStats
+from kvstore.vllm.metrics import DEVICE_ERRORS, DEVICE_READ, DEVICE_WRITTEN, KVStoreStats
 
 log = logging.getLogger("kvstore.vllm.worker")
 
@@ -105,6 +105,7 @@ class KVStoreWorker:
         self.loaded_bytes_total = 0
         self._reported_devices: set[int] = set()   # failed devices already reported
         self._io_reported = self.io.io_bytes.copy()  # per device [read, written] reported
+        self._errors_reported = self.io.io_errors.copy()   # per device failed ops reported
         self._thread = threading.Thread(target=self._run, name=f"kvstore-io-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -487,6 +488,10 @@ class KVStoreWorker:
                 dev[DEVICE_WRITTEN + ddir] = int(delta[d, 1])
             if delta[d, 0]:
                 dev[DEVICE_READ + ddir] = int(delta[d, 0])
+        errs = self.io.io_errors.copy()
+        for d in (errs - self._errors_reported).nonzero()[0].tolist():
+            dev[DEVICE_ERRORS + self.io.dirs[d]] = int(errs[d] - self._errors_reported[d])
+        self._errors_reported = errs
         # Copy and reset under the lock the I/O thread adds under: no count is lost.
         with self._lock:
             if self._stats.is_empty() and not dev:
