@@ -66,8 +66,10 @@ cdef extern from *:
 cdef extern from *:
     """
     #define KT_PREFETCH(p) __builtin_prefetch((p), 0, 1)
+    #define KT_PREFETCH_W(p) __builtin_prefetch((p), 1, 1)
     """
     void KT_PREFETCH(const void *p) nogil
+    void KT_PREFETCH_W(const void *p) nogil
 
 DEF BATCH = 32
 DEF SHARED_HDR = 4096   # bytes before the array in a SharedMap file
@@ -726,7 +728,9 @@ cdef class KeyTable:
         their slots are pinned in the same walk. Only the hit keys are made as bytes.
 
         Software-pipelined: batch k+1 is hashed and its buckets prefetched before batch k
-        is probed, so the cache misses of two batches are in flight together. A block hash
+        is probed, so the cache misses of two batches are in flight together; batch k is
+        probed whole first, prefetching each hit's pin count and shared generation, and
+        only then pinned and made into keys, so those misses overlap too. A block hash
         that cannot be made a key raises only if the walk gets to its batch (a miss before
         it ends the walk, as without the pipelining); a walk that raises pins nothing."""
         cdef list keys = [], slots = [], gens = []
@@ -734,9 +738,10 @@ cdef class KeyTable:
         cdef uint32_t fp2s[2][BATCH]
         cdef unsigned char buf[2][BATCH][KEY_MAX]
         cdef Py_ssize_t lens[2][BATCH]
-        cdef Py_ssize_t b, e, nb, ne, j, i, x
+        cdef Py_ssize_t found[BATCH]
+        cdef Py_ssize_t b, e, nb, ne, j, i, x, m
         cdef int cur = 0
-        cdef bint next_bad
+        cdef bint next_bad, missed
         if start < 0:
             start = 0
         if stop > len(hashes):
@@ -757,10 +762,23 @@ cdef class KeyTable:
                                          fps[1 - cur], fp2s[1 - cur])
                     except Exception:
                         next_bad = True     # raised again below if the walk gets there
-                for j in range(e - b):
+                m = e - b
+                missed = False
+                for j in range(e - b):      # probe the batch; prefetch what pinning reads
                     i = self._find(fps[cur][j], fp2s[cur][j])
                     if i < 0:
-                        return self._checked(keys, slots, gens, pin)
+                        m = j
+                        missed = True
+                        break
+                    found[j] = i
+                    x = self.t[i].slot
+                    if x < self.capacity:
+                        if pin:
+                            KT_PREFETCH_W(&self.pins[x])
+                        if self.sgen != NULL:
+                            KT_PREFETCH(&self.sgen[x])
+                for j in range(m):
+                    i = found[j]
                     x = self.t[i].slot
                     if pin and x >= self.capacity:
                         raise ValueError(f"slot {x} outside the table's capacity {self.capacity}")
@@ -771,6 +789,8 @@ cdef class KeyTable:
                             self.npinned += 1
                         self.pins[x] += 1
                     gens.append(self.t[i].gen)
+                if missed:
+                    return self._checked(keys, slots, gens, pin)
                 if next_bad:                # no miss in this batch: the next one's error
                     self._hash_batch(hashes, nb, ne, group, buf[1 - cur], lens[1 - cur],
                                      fps[1 - cur], fp2s[1 - cur])
