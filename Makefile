@@ -28,7 +28,18 @@ $(SYSDEPS):
 	@command -v fio >/dev/null 2>&1 || { (apt-get update -q && apt-get install -y -q fio) >/dev/null 2>&1 || \
 	  echo "warning: could not install fio; benchmarks will skip it"; }
 
+# The two venvs take ~13 GiB (CUDA torch in .venv, CPU torch in .venv-engine) and the
+# suite's stores a few more: say so up front rather than fail mid-install with ENOSPC.
+NEED_GIB ?= 16
+define check_disk
+	@avail=$$(df --output=avail -BG . | tail -1 | tr -dc 0-9); if [ "$$avail" -lt $(1) ]; then \
+	  echo "error: $$avail GiB free on the file system of $$(pwd); installing needs about $(1) GiB" \
+	       "(two venvs of ~6.5 GiB each, plus the tests' stores): free some space (e.g. old" \
+	       "clones and stores under /tmp), then rerun"; exit 1; fi
+endef
+
 $(STAMP): pyproject.toml setup.py | $(SYSDEPS)
+	$(if $(wildcard $(PY)),,$(call check_disk,$(NEED_GIB)))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	# Build requirements first, so the extension build below can skip isolation (the
