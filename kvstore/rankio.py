@@ -223,7 +223,7 @@ class RankIO:
     def __init__(self, store_dir: str, rank: int = 0, *, layout: Layout | None = None,
                  io_mode: str = "direct", queue_depth: int = 32, staging_bytes: int = 64 << 20,
                  readonly: bool = False, staging: Staging | None = None,
-                 missing_ok: bool = False, lanes: int = 1, eio_limit: int = EIO_LIMIT,
+                 missing_ok: bool = False, eio_limit: int = EIO_LIMIT,
                  eio_window_s: float = EIO_WINDOW_S):
         _check_choice("io_mode", io_mode, IO_MODES)
         if missing_ok and not readonly:
@@ -245,15 +245,6 @@ class RankIO:
         self.dirs = device_dirs(store_dir, doc)
         self.ndev = len(self.dirs)
         self.queue_depth = queue_depth
-        if lanes not in (1, 2):
-            raise ConfigError(f"RankIO: lanes must be 1 or 2, got {lanes}")
-        # Lanes: each device has `lanes` rings of `queue_depth`. The double buffer's two
-        # chunks run on lanes 0 and 1 at once (chunk k on lane k % 2), so a device goes
-        # on with chunk k+1 while chunk k's last ops drain, instead of its queue emptying
-        # at the end of every chunk. `rings` is lane 0 of each device (the test seams).
-        self.lanes = lanes
-        self._lane_rings: list = []     # per device: the rings of lanes 1.. (ours)
-        self._lane0: list = []          # per device: the lane-0 ring we made
         self.files: list[SlotFile] = []
         # missing_ok (fsck): slot files that cannot be opened (missing, wrong size, symlink)
         # are listed here, file number (`StoreGeometry.file_number`) -> reason, and every
@@ -344,15 +335,11 @@ class RankIO:
             self.staging = staging
             self.staging_slots = staging.num_slots
             for d in range(self.ndev):
-                mine = []
-                for lane in range(lanes):
-                    ring = Ring(queue_depth)
-                    (self.rings if lane == 0 else mine).append(ring)
-                    ring.register_buffers([staging.buffer])
-                    if dev_files[d]:
-                        ring.register_files([f.fd for f in dev_files[d]], [f.path for f in dev_files[d]])
-                self._lane0.append(self.rings[d])
-                self._lane_rings.append(mine)
+                ring = Ring(queue_depth)
+                self.rings.append(ring)
+                ring.register_buffers([staging.buffer])
+                if dev_files[d]:
+                    ring.register_files([f.fd for f in dev_files[d]], [f.path for f in dev_files[d]])
         except BaseException:
             self.close()
             raise
@@ -449,43 +436,18 @@ class RankIO:
     def device_ring(self, device: int):
         return self.rings[device]
 
-    def device_rings(self, device: int) -> list:
-        """Every ring of a device, lane 0 first (queue occupancy sums over them)."""
-        return [self.rings[device], *self._lane_rings[device]] if self.rings else []
-
-    def _active_lanes(self) -> int:
-        """Lanes in use: 1 while a test seam replaced a device's ring (the replacement
-        serves every lane, so it must never be used by two threads at once)."""
-        if self.lanes == 1 or any(r is not o for r, o in zip(self.rings, self._lane0)):
-            return 1
-        return self.lanes
-
-    def _ring_of(self, d: int, lane: int):
-        """Device d's ring for `lane`. A fault injector set on the device's ring (lane 0,
-        the test seam) applies to every lane."""
-        ring = self.rings[d]
-        if lane == 0 or self._active_lanes() == 1:
-            return ring
-        other = self._lane_rings[d][lane - 1]
-        other.fault_injector = ring.fault_injector
-        return other
-
     def close(self):
         """Close ring, files and owned staging memory (idempotent)."""
         if self._pool is not None:
-            for pool in self._pool.values():
-                pool.shutdown(wait=True)
+            self._pool.shutdown(wait=True)
             self._pool = None
         if self._dev_pool is not None:
-            for pools in self._dev_pool:
-                for pool in pools:
-                    pool.shutdown(wait=True)
+            for pool in self._dev_pool:
+                pool.shutdown(wait=True)
             self._dev_pool = None
-        for ring in [*self.rings, *(r for lanes in self._lane_rings for r in lanes)]:
+        for ring in self.rings:
             ring.close()
         self.rings = []
-        self._lane_rings = []
-        self._lane0 = []
         for c in self._counters:
             if c is not None:
                 c.close()
@@ -533,26 +495,24 @@ class RankIO:
         return self._fd_table[devs, fidx], offs.astype(np.uint64), devs
 
     def _device_pool(self):
-        """One single-thread executor per device and lane: a ring is only ever used by
-        its own thread, and its parts of consecutive batches run back to back (FIFO)."""
+        """One single-thread executor per device: device d's ring is only ever used by its
+        own thread, and its parts of consecutive batches run back to back (FIFO)."""
         if self._dev_pool is None:
             from concurrent.futures import ThreadPoolExecutor
-            self._dev_pool = [[ThreadPoolExecutor(1, thread_name_prefix=f"kvstore-dev{d}.{lane}-r{self.rank}")
-                               for lane in range(self.lanes)] for d in range(self.ndev)]
+            self._dev_pool = [ThreadPoolExecutor(1, thread_name_prefix=f"kvstore-dev{d}-r{self.rank}")
+                              for d in range(self.ndev)]
         return self._dev_pool
 
-    def _fan(self, devs: np.ndarray, call, lane: int = 0):
+    def _fan(self, devs: np.ndarray, call):
         """Run one batch over the devices: `call(d, idx)` moves the ops at positions `idx`
         (all of them when idx is None) on device d's ring. With several devices every
         device's part runs on its own thread, so all rings have their ops in flight at
         once (Ring calls release the GIL for their whole submit/reap loop), and each
         ring's queue depth bounds the ops (and so the bytes) in flight on its device.
         Results (an array, or a tuple of arrays, per op) come back in batch order; every
-        part has ended before this returns or raises. `call` uses `_ring_of(d, lane)`."""
+        part has ended before this returns or raises."""
         if self.ndev == 1:
             return call(0, None)
-        if self._active_lanes() == 1:
-            lane = 0
         groups = [(d, np.flatnonzero(devs == d)) for d in range(self.ndev)]
         groups = [(d, i) for d, i in groups if i.size]
         # one snapshot: another device thread may fail a device meanwhile, and every
@@ -563,11 +523,11 @@ class RankIO:
             # Still on the device's own thread: with several devices the double buffer
             # runs two ring ops at once, and a ring must never be used by two threads.
             d = groups[0][0] if groups else 0
-            return pools[d][lane].submit(call, d, None).result()
+            return pools[d].submit(call, d, None).result()
         # A failed device's ops are never submitted: they fail with EIO at once, so no
         # request waits on a dead disk.
         dead = [(idx, self._dead(call, len(idx))) for d, idx in groups if d in failed]
-        futs = [(idx, pools[d][lane].submit(call, d, idx)) for d, idx in groups if d not in failed]
+        futs = [(idx, pools[d].submit(call, d, idx)) for d, idx in groups if d not in failed]
         parts, exc = dead, None
         for idx, fut in futs:
             try:
@@ -600,10 +560,10 @@ class RankIO:
         if c is not None:
             c.add(opcode, n)
 
-    def _ring_submit(self, opcode, fds, offs, addrs, lens, devs, lane: int = 0):
+    def _ring_submit(self, opcode, fds, offs, addrs, lens, devs):
         """Ring.submit of a plain batch (reads of headers or whole images), over the devices."""
         def call(d, idx):
-            ring = self._ring_of(d, lane)
+            ring = self.rings[d]
             if idx is None:
                 res = ring.submit(opcode, fds, offs, addrs, lens)
             else:
@@ -611,9 +571,9 @@ class RankIO:
             self._account(d, opcode, res)
             self._note_errors(d, "write" if opcode == OP_WRITE else "read", res)
             return res
-        return self._fan(devs, call, lane)
+        return self._fan(devs, call)
 
-    def _submit(self, opcode, refs, stage_slots, verify: int = 0, lane: int = 0):
+    def _submit(self, opcode, refs, stage_slots, verify: int = 0):
         """Move refs[i] between disk and staging slot stage_slots[i] (header + payload).
 
         Writes are stamped and reads checked by the ring, inside its GIL-free loop.
@@ -621,9 +581,9 @@ class RankIO:
         """
         stage = np.asarray(stage_slots, dtype=np.uint64)
         hdrs = np.uint64(self.staging.address) + stage * np.uint64(self.slot_size)
-        return self._slot_io(opcode, refs, hdrs, None, verify, lane)
+        return self._slot_io(opcode, refs, hdrs, None, verify)
 
-    def _slot_io(self, opcode, refs, hdr_addrs, payload_addrs, verify: int, lane: int = 0):
+    def _slot_io(self, opcode, refs, hdr_addrs, payload_addrs, verify: int):
         slots = [r.slot for r in refs]
         keys = [r.key for r in refs]
         gens = [r.generation for r in refs]
@@ -633,7 +593,7 @@ class RankIO:
         hdr_addrs = np.asarray(hdr_addrs, dtype=np.uint64)
 
         def call(d, idx):
-            ring = self._ring_of(d, lane)
+            ring = self.rings[d]
             if idx is None:
                 out = ring.slot_io(opcode, fds, offs, hdr_addrs, payload_addrs, io_len,
                                             keys, slots, gens, self.payload_len, verify=verify,
@@ -649,7 +609,7 @@ class RankIO:
             self._note_errors(d, "write" if opcode == OP_WRITE else "read", out[0])
             return out
         call.slot_io = True
-        res, status = self._fan(devs, call, lane)
+        res, status = self._fan(devs, call)
         short = (res >= 0) & (res != self.slot_size)
         if short.any():
             # The ring completes every transfer or fails it; a partial count here would
@@ -740,14 +700,11 @@ class RankIO:
         # thread while chunk k's are still running, so a device that finished its part
         # of chunk k goes on with chunk k+1 instead of waiting for the slowest device
         # (each ring is still used by one thread only: its device's, see _fan).
-        # With two lanes, two as well: chunks k and k+1 are on their rings at once.
-        width = 1 if self.ndev == 1 and self._active_lanes() == 1 else 2
         if self._pool is None:
-            self._pool = {}
-        if width not in self._pool:
             from concurrent.futures import ThreadPoolExecutor
-            self._pool[width] = ThreadPoolExecutor(width, thread_name_prefix=f"kvstore-ring{width}-r{self.rank}")
-        return self._pool[width]
+            self._pool = ThreadPoolExecutor(1 if self.ndev == 1 else 2,
+                                            thread_name_prefix=f"kvstore-ring-r{self.rank}")
+        return self._pool
 
     def _pipeline(self, nchunks: int, ring_op, after, before=None, *, overlap: bool) -> None:
         """The double buffer of every batch loop (writes, reads, scans).
@@ -758,10 +715,8 @@ class RankIO:
         op runs on the ring thread while this thread finishes chunk k-1 and prepares
         chunk k+1; an area is reused two chunks later, after its `after` returned.
         Without it (one area, or one chunk: nothing to overlap) everything runs here, in
-        order. `ring_op(k)` moves chunk k on lane k % 2 (`_ring_of`): with two lanes the
-        ring ops of chunks k and k+1 run at once, each lane's ring used by one thread at
-        a time (chunk k+2 is submitted only after chunk k's op returned). No ring op is
-        still running when this returns or raises.
+        order. The ring is used by one thread at a time, and no ring op is still running
+        when this returns or raises.
         """
         if not overlap or nchunks < 2:
             for k in range(nchunks):
@@ -812,7 +767,7 @@ class RankIO:
 
         def ring_op(k):
             start, stop, base = chunks[k]
-            return self._submit(OP_WRITE, refs[start:stop], range(base, base + stop - start), lane=k % 2)
+            return self._submit(OP_WRITE, refs[start:stop], range(base, base + stop - start))
 
         def after(k, result):
             start, stop, _ = chunks[k]
@@ -868,7 +823,7 @@ class RankIO:
 
         def ring_op(k):
             start, stop, slots = plan[k]
-            return self._submit(OP_READ, refs[start:stop], slots[:stop - start], vcode, lane=k % 2)
+            return self._submit(OP_READ, refs[start:stop], slots[:stop - start], vcode)
 
         def after(k, result):
             start, stop, slots = plan[k]
@@ -938,22 +893,18 @@ class RankIO:
                 raise TypeError("register_memory needs writable memory (the kernel pins it "
                                 "for both directions); pass read-only sources to write_from "
                                 "unregistered")
-        rings = self._all_rings()
         ok = all([ring.register_buffers([self.staging.buffer, self._header_pool(), *buffers])
-                  for ring in rings])
+                  for ring in self.rings])
         if not ok:
-            for ring in rings:
+            for ring in self.rings:
                 ring.register_buffers([self.staging.buffer])
         return ok
 
     def unregister_memory(self) -> None:
         """Drop caller memory registered with `register_memory` (staging stays)."""
         self._check_open()
-        for ring in self._all_rings():
+        for ring in self.rings:
             ring.register_buffers([self.staging.buffer])
-
-    def _all_rings(self) -> list:
-        return [r for d in range(len(self.rings)) for r in self.device_rings(d)]
 
     def _payload_addrs(self, payloads, n: int, writable: bool):
         """Addresses of n caller payload buffers, each checked: C-contiguous, holding the
@@ -1120,7 +1071,7 @@ class RankIO:
             fds, offs, devs = self._locate(chunk)
             addrs = self.staging.address + (np.arange(base(k), base(k) + len(chunk), dtype=np.uint64)
                                             * np.uint64(self.slot_size))
-            return self._ring_submit(OP_READ, fds, offs, addrs, lens[:len(chunk)], devs, lane=k % 2)
+            return self._ring_submit(OP_READ, fds, offs, addrs, lens[:len(chunk)], devs)
 
         def after(k, res):
             start, stop = k * per, min(n, (k + 1) * per)

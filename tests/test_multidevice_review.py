@@ -36,17 +36,14 @@ def test_single_device_chunks_never_share_a_ring_between_threads(tmp_path, disks
 
         def spy(d):
             def inj(op, fds, offs, lens):
-                # a lane's ring runs on its own thread, named kvstore-dev<d>.<lane>-...
-                name = threading.current_thread().name
-                lane = (d, name.split("-")[1])
                 with lock:
-                    active[lane] = active.get(lane, 0) + 1
-                    users.setdefault(lane, set()).add(name)
-                    if active[lane] > 1:
-                        overlap.append((lane, op))
+                    active[d] = active.get(d, 0) + 1
+                    users.setdefault(d, set()).add(threading.current_thread().name)
+                    if active[d] > 1:
+                        overlap.append((d, op))
                 time.sleep(0.02)
                 with lock:
-                    active[lane] -= 1
+                    active[d] -= 1
                 return []
             return inj
         for d, ring in enumerate(rio.rings):
@@ -73,9 +70,7 @@ def test_single_device_chunks_never_share_a_ring_between_threads(tmp_path, disks
         assert not t.is_alive(), "the striped I/O hung"
         for ring in rio.rings:
             ring.fault_injector = None
-        # device 0's rings only, each on its own lane's thread only
-        assert users and all(d == 0 and lane.startswith("dev0.") for d, lane in users), users
-        assert all(len(names) == 1 for names in users.values()), users
+        assert users[0] == {"kvstore-dev0-r0_0"}, users     # device 0's ring: its thread only
         assert not overlap
         assert out["w"] == [None] * 60 and out["r"] == [None] * 60 and out["wrong"] == []
 

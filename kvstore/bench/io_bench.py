@@ -232,7 +232,7 @@ class MultiDirKVStore:
         self.occupancy = {}
 
     def _sampled(self, phase, fn):
-        with QueueSampler([self.rio.device_rings(d) for d in range(self.rio.ndev)]) as q:
+        with QueueSampler(self.rio.rings) as q:
             t = time.perf_counter()
             fn()
             dt = time.perf_counter() - t
@@ -281,10 +281,9 @@ class QueueSampler:
 
     SAMPLE_S = 0.002
 
-    def __init__(self, devices):
-        """`devices`: per device, its rings (a device's lanes are summed)."""
+    def __init__(self, rings):
         import threading
-        self.fds = [[r.ring_fd for r in rings] for rings in devices]
+        self.fds = [r.ring_fd for r in rings]
         self.sums = [0] * len(self.fds)
         self.n = 0
         self._stop = threading.Event()
@@ -304,10 +303,9 @@ class QueueSampler:
 
     def _run(self):
         while not self._stop.wait(self.SAMPLE_S):
-            for i, fds in enumerate(self.fds):
-                for fd in fds:
-                    v = self._inflight(fd)
-                    self.sums[i] += v if v < (1 << 16) else 0   # a torn pair of reads: skip
+            for i, fd in enumerate(self.fds):
+                v = self._inflight(fd)
+                self.sums[i] += v if v < (1 << 16) else 0   # a torn pair of reads: skip
             self.n += 1
 
     def __enter__(self):
