@@ -132,7 +132,8 @@ def _check_data_dir(path: str, direct: bool) -> None:
         os.unlink(probe)
 
 
-def probe_data_dir(path: str, store: str, device: int, direct: bool = True) -> tuple[str, str] | None:
+def probe_data_dir(path: str, store: str, device: int, direct: bool = True,
+                   tag: str = "") -> tuple[str, str] | None:
     """Is device `device`'s data directory usable now? None when it is: the directory
     and its `kvstore-data.json` naming this store and device are there, a file can be
     created in it and (direct) written with O_DIRECT. Else (reason, detail), the reason
@@ -163,7 +164,8 @@ def probe_data_dir(path: str, store: str, device: int, direct: bool = True) -> t
         return "foreign", f"{marker} is unreadable ({exc})"
     if not isinstance(doc, dict) or doc.get("store") != store or doc.get("device") != device:
         return "foreign", f"{marker} names {doc!r}, not device {device} of {store}"
-    probe = os.path.join(path, f".kvstore-probe-{os.getpid()}")
+    # (`tag` keeps the probe files of concurrent probers of one process apart)
+    probe = os.path.join(path, f".kvstore-probe-{os.getpid()}{tag}")
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as exc:

@@ -49,6 +49,11 @@ DEVICE_ERRNOS = frozenset({errno.EIO, errno.ENODEV, errno.ENXIO, errno.EROFS, er
 # block: a load recomputes it (and drops the entry), a store does not commit it.
 EIO_LIMIT = 10
 EIO_WINDOW_S = 600.0
+# An EIO below the limit probes its device (`engine.probe_data_dir`: the data directory
+# and its marker, a file created, written with O_DIRECT, fdatasynced and read back), at
+# most once per PROBE_EVERY_S per device: a device that fails the probe (a file system
+# shut down after a media error, a drive gone) is fenced at once, not after ten errors.
+PROBE_EVERY_S = 1.0
 
 
 def device_fault_reason(err: int) -> str:
@@ -274,6 +279,7 @@ class RankIO:
         self.eio_limit = eio_limit
         self.eio_window_s = eio_window_s
         self._eio_times = [deque() for _ in self.dirs]     # recent EIOs per device
+        self._probed_at = [float("-inf")] * len(self.dirs)   # last probe after an EIO
         self.io_errors = np.zeros(self.ndev, dtype=np.int64)   # failed ops per device, ever
         self._markers: dict[int, tuple[int, int]] = {}
         tolerate = not readonly and self.ndev > 1
@@ -402,10 +408,30 @@ class RankIO:
         if recent >= self.eio_limit:
             self._fail_device(d, "io_error", f"{op} failed with EIO ({os.strerror(errno.EIO)}): "
                               f"{recent} errors within {self.eio_window_s:g} s")
+        elif (why := self._probe(d)) is not None:
+            self._fail_device(d, why[0], f"{op} failed with EIO, then the device's probe "
+                              f"failed: {why[1]}")
         else:
             log.warning("kvstore rank %d: device %d (%s): %d %s(s) failed with EIO (%d of the %d "
                         "within %g s that fail the device); those blocks are recomputed",
                         self.rank, d, self.dirs[d], n, op, recent, self.eio_limit, self.eio_window_s)
+
+    def _probe(self, d: int):
+        """After an EIO below the limit: (reason, detail) when device d fails its probe
+        now, else None (also when it was probed less than PROBE_EVERY_S ago)."""
+        now = time.monotonic()
+        with self._lock_failed:
+            if now - self._probed_at[d] < PROBE_EVERY_S:
+                return None
+            self._probed_at[d] = now
+        from kvstore.engine import probe_data_dir
+        try:
+            return probe_data_dir(self.dirs[d], self.store_dir, d, self._direct,
+                                  tag=f"-r{self.rank}-{threading.get_ident()}")
+        except Exception as exc:     # the probe itself broke: not the device's verdict
+            log.warning("kvstore rank %d: probing device %d (%s) failed: %s", self.rank, d,
+                        self.dirs[d], exc)
+            return None
 
     def check_devices(self) -> list[int]:
         """Look for devices whose data directory went away while serving (an unmounted

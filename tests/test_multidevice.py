@@ -481,3 +481,33 @@ def test_a_few_eios_cost_their_blocks_and_the_limit_fences_the_device(tmp_path, 
         finally:
             for ring in rio.rings:
                 ring.fault_injector = None
+
+
+def test_an_eio_on_a_device_that_fails_its_probe_fences_it_at_once(tmp_path, disks, fd_leak_check):
+    """Below the EIO limit a failed op probes its device (marker, a file written with
+    O_DIRECT and read back): a device that fails the probe is fenced by that first EIO;
+    one that passes it keeps serving (the probe runs at most once a second per device)."""
+    with _create(tmp_path, disks, nslots=40, layout=LAYOUT1) as st:
+        ks = keys(30)
+        st.put(ks, payload)
+        refs = [SlotRef(e.key, e.slot, e.generation) for e in st.longest_prefix(ks)]
+        on1 = [r for r in refs if r.slot % 3 == 1]
+        on2 = [r for r in refs if r.slot % 3 == 2]
+        rio = st.ranks[0]
+        try:
+            rio.rings[2].fault_injector = _eio_first_read
+            rio.read_blocks(on2[:1], lambda *a: None)
+            assert 2 not in rio.failed                      # probed healthy: only the block
+            os.rename(os.path.join(disks[1], "kvstore-data.json"),
+                      os.path.join(disks[1], "moved.json"))  # device 1 "unmounted"
+            rio.rings[1].fault_injector = _eio_first_read
+            errs = rio.read_blocks(on1[:2], lambda *a: None)
+            assert errs[0].errno == errno.EIO and errs[1] is None
+            assert rio.failed[1].startswith("missing") and "probe" in rio.failed[1], rio.failed
+            assert not [n for n in os.listdir(disks[2]) if n.startswith(".kvstore-probe")]
+        finally:
+            for ring in rio.rings:
+                ring.fault_injector = None
+            if os.path.exists(os.path.join(disks[1], "moved.json")):
+                os.rename(os.path.join(disks[1], "moved.json"),
+                          os.path.join(disks[1], "kvstore-data.json"))
