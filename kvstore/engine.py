@@ -169,6 +169,8 @@ def probe_data_dir(path: str, store: str, device: int, direct: bool = True,
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return None     # no room for a file (or an inode), but its slots are preallocated
         return ("readonly" if exc.errno == errno.EROFS else "io_error"), f"creating {probe}: {exc.strerror}"
     os.close(fd)
     try:

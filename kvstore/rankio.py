@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import mmap
 import os
 import stat
@@ -53,6 +54,7 @@ EIO_WINDOW_S = 600.0
 # and its marker, a file created, written with O_DIRECT, fdatasynced and read back), at
 # most once per PROBE_EVERY_S per device: a device that fails the probe (a file system
 # shut down after a media error, a drive gone) is fenced at once, not after ten errors.
+# The probe runs on a thread of its own (a sick device may hang on it: no batch waits).
 PROBE_EVERY_S = 1.0
 
 
@@ -273,13 +275,15 @@ class RankIO:
         # read-only with that device failed instead of refusing to start.
         self.failed: dict[int, str] = {}
         self._lock_failed = threading.Lock()
-        if eio_limit < 1 or eio_window_s <= 0:
+        if eio_limit < 1 or not (math.isfinite(eio_window_s) and eio_window_s > 0):
             raise ConfigError(f"RankIO: eio_limit must be >= 1 and eio_window_s > 0, got "
                               f"{eio_limit} and {eio_window_s}")
         self.eio_limit = eio_limit
         self.eio_window_s = eio_window_s
         self._eio_times = [deque() for _ in self.dirs]     # recent EIOs per device
         self._probed_at = [float("-inf")] * len(self.dirs)   # last probe after an EIO
+        self._probes: dict[int, threading.Thread] = {}       # probes running, per device
+        self._readonly = readonly
         self.io_errors = np.zeros(self.ndev, dtype=np.int64)   # failed ops per device, ever
         self._markers: dict[int, tuple[int, int]] = {}
         tolerate = not readonly and self.ndev > 1
@@ -408,30 +412,49 @@ class RankIO:
         if recent >= self.eio_limit:
             self._fail_device(d, "io_error", f"{op} failed with EIO ({os.strerror(errno.EIO)}): "
                               f"{recent} errors within {self.eio_window_s:g} s")
-        elif (why := self._probe(d)) is not None:
-            self._fail_device(d, why[0], f"{op} failed with EIO, then the device's probe "
-                              f"failed: {why[1]}")
         else:
+            self._probe_soon(d, op)
             log.warning("kvstore rank %d: device %d (%s): %d %s(s) failed with EIO (%d of the %d "
                         "within %g s that fail the device); those blocks are recomputed",
                         self.rank, d, self.dirs[d], n, op, recent, self.eio_limit, self.eio_window_s)
 
-    def _probe(self, d: int):
-        """After an EIO below the limit: (reason, detail) when device d fails its probe
-        now, else None (also when it was probed less than PROBE_EVERY_S ago)."""
+    def _probe_soon(self, d: int, op: str) -> None:
+        """After an EIO below the limit: probe device d on a thread of its own (unless a
+        probe of it runs, or ran less than PROBE_EVERY_S ago, or this opener is read-only:
+        fsck only counts); a failed probe fences it as `io_error`, the probe's verdict in
+        the detail (never a reason the next start would re-admit by itself)."""
+        if self._readonly:
+            return
         now = time.monotonic()
         with self._lock_failed:
-            if now - self._probed_at[d] < PROBE_EVERY_S:
-                return None
+            running = self._probes.get(d)
+            if (running is not None and running.is_alive()) or now - self._probed_at[d] < PROBE_EVERY_S:
+                return
             self._probed_at[d] = now
+            t = threading.Thread(target=self._probe, args=(d, op), daemon=True,
+                                 name=f"kvstore-probe-dev{d}-r{self.rank}")
+            self._probes[d] = t
+        t.start()
+
+    def _probe(self, d: int, op: str) -> None:
         from kvstore.engine import probe_data_dir
         try:
-            return probe_data_dir(self.dirs[d], self.store_dir, d, self._direct,
-                                  tag=f"-r{self.rank}-{threading.get_ident()}")
+            why = probe_data_dir(self.dirs[d], self.store_dir, d, self._direct,
+                                 tag=f"-r{self.rank}-{threading.get_ident()}")
         except Exception as exc:     # the probe itself broke: not the device's verdict
             log.warning("kvstore rank %d: probing device %d (%s) failed: %s", self.rank, d,
                         self.dirs[d], exc)
-            return None
+            return
+        if why is not None:
+            self._fail_device(d, "io_error", f"{op} failed with EIO, then the device's probe "
+                              f"failed ({why[0]}: {why[1]})")
+
+    def wait_probes(self, timeout: float = 10.0) -> None:
+        """Wait for the device probes running now (tests)."""
+        with self._lock_failed:
+            probes = list(self._probes.values())
+        for t in probes:
+            t.join(timeout)
 
     def check_devices(self) -> list[int]:
         """Look for devices whose data directory went away while serving (an unmounted

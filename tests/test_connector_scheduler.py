@@ -350,8 +350,10 @@ def test_plugin_registers_connector_by_name_idempotently(tmp_path):
     ({"path": "/x", "queue_depth": 0}, ["queue_depth", "1..4096"]),
     ({"path": "/x", "load_timeout_s": -1}, ["load_timeout_s", "positive"]),
     ({"path": "/x", "capacity": "lots"}, ["lots"]),
+    ({"path": "/x", "device_eio_window_s": float("nan")}, ["device_eio_window_s", "positive"]),
+    ({"path": "/x", "device_eio_limit": 0}, ["device_eio_limit", "1..1048576"]),
 ], ids=["io_mode", "unknown-key", "missing-path", "empty-path", "store_policy",
-        "queue_depth", "load_timeout_s", "capacity"])
+        "queue_depth", "load_timeout_s", "capacity", "eio_window_nan", "eio_limit"])
 def test_config_validation_names_the_key(extra, words):
     from kvstore.vllm.config import ConnectorConfig
     with pytest.raises(ConfigError) as ei:

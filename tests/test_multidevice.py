@@ -486,7 +486,8 @@ def test_a_few_eios_cost_their_blocks_and_the_limit_fences_the_device(tmp_path, 
 def test_an_eio_on_a_device_that_fails_its_probe_fences_it_at_once(tmp_path, disks, fd_leak_check):
     """Below the EIO limit a failed op probes its device (marker, a file written with
     O_DIRECT and read back): a device that fails the probe is fenced by that first EIO;
-    one that passes it keeps serving (the probe runs at most once a second per device)."""
+    one that passes it keeps serving (the probe runs at most once a second per device, on
+    a thread of its own). A read-only opener (fsck) only counts."""
     with _create(tmp_path, disks, nslots=40, layout=LAYOUT1) as st:
         ks = keys(30)
         st.put(ks, payload)
@@ -497,13 +498,17 @@ def test_an_eio_on_a_device_that_fails_its_probe_fences_it_at_once(tmp_path, dis
         try:
             rio.rings[2].fault_injector = _eio_first_read
             rio.read_blocks(on2[:1], lambda *a: None)
+            rio.wait_probes()
             assert 2 not in rio.failed                      # probed healthy: only the block
             os.rename(os.path.join(disks[1], "kvstore-data.json"),
                       os.path.join(disks[1], "moved.json"))  # device 1 "unmounted"
             rio.rings[1].fault_injector = _eio_first_read
-            errs = rio.read_blocks(on1[:2], lambda *a: None)
+            errs = rio.read_blocks(on1[:2], lambda *a: None)   # the probe runs apart
             assert errs[0].errno == errno.EIO and errs[1] is None
-            assert rio.failed[1].startswith("missing") and "probe" in rio.failed[1], rio.failed
+            rio.wait_probes()
+            # fenced as an I/O error (fsck re-admits it), the probe's verdict in the detail
+            assert rio.failed[1].startswith("io_error") and "probe failed (missing" in rio.failed[1], \
+                rio.failed
             assert not [n for n in os.listdir(disks[2]) if n.startswith(".kvstore-probe")]
         finally:
             for ring in rio.rings:
@@ -511,3 +516,39 @@ def test_an_eio_on_a_device_that_fails_its_probe_fences_it_at_once(tmp_path, dis
             if os.path.exists(os.path.join(disks[1], "moved.json")):
                 os.rename(os.path.join(disks[1], "moved.json"),
                           os.path.join(disks[1], "kvstore-data.json"))
+
+
+def test_the_probe_calls_a_full_device_healthy_and_a_readonly_opener_only_counts(tmp_path, disks):
+    """No room for the probe's file (no inode left; its slots are preallocated) is not an
+    I/O error; fsck's read-only opener never probes (it only counts the EIO)."""
+    from kvstore.engine import probe_data_dir
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=4", "tmpfs", str(mnt)], check=True)
+    try:
+        (mnt / "kvstore-data.json").write_text(json.dumps({"store": "/s", "device": 0}))
+        n = 0
+        while True:             # use up every inode
+            try:
+                (mnt / f"f{n}").touch()
+            except OSError:
+                break
+            n += 1
+        assert probe_data_dir(str(mnt), "/s", 0, direct=False) is None
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with _create(tmp_path, disks, nslots=40, layout=LAYOUT1) as st:
+        ks = keys(6)
+        st.put(ks, payload)
+        refs = [SlotRef(e.key, e.slot, e.generation) for e in st.longest_prefix(ks)]
+        path = st.path
+    ro = RankIO(path, 0, readonly=True)
+    try:
+        os.rename(os.path.join(disks[1], "kvstore-data.json"), os.path.join(disks[1], "moved.json"))
+        ro.rings[1].fault_injector = _eio_first_read
+        ro.read_blocks([r for r in refs if r.slot % 3 == 1][:1], lambda *a: None)
+        ro.wait_probes()
+        assert not ro._probes and ro.io_errors[1] == 1 and 1 not in ro.failed
+    finally:
+        ro.rings[1].fault_injector = None
+        ro.close()

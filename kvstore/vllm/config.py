@@ -6,6 +6,7 @@ the same way on the scheduler and on every worker, so they agree without talking
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -75,7 +76,8 @@ class ConnectorConfig:
         if not isinstance(create, bool):
             raise ConfigError(f"kvstore: create={create!r} must be true or false")
         window = extra.get("device_eio_window_s", 600.0)
-        if isinstance(window, bool) or not isinstance(window, (int, float)) or window <= 0:
+        if isinstance(window, bool) or not isinstance(window, (int, float)) or \
+                not (math.isfinite(window) and window > 0):
             raise ConfigError(f"kvstore: device_eio_window_s={window!r} must be a positive number of seconds")
         index_thread = extra.get("index_thread", True)
         if not isinstance(index_thread, bool):
