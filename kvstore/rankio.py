@@ -138,20 +138,21 @@ def create_iostats(device_dir: str, rank: int) -> None:
         os.close(fd)
 
 
-def read_iostats(device_dir: str, rank: int) -> tuple[int, int] | None:
-    """(bytes read, bytes written) recorded for one rank on one device, or None when the
-    counter file is missing or damaged (nothing tracked)."""
+def read_iostats(device_dir: str, rank: int) -> tuple[int, int, int] | None:
+    """(bytes read, bytes written, failed I/O ops) recorded for one rank on one device, or
+    None when the counter file is missing or damaged (nothing tracked)."""
     try:
         fd = os.open(iostats_path(device_dir, rank), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        raw = os.pread(fd, 32, 0)
+        raw = os.pread(fd, 40, 0)
     finally:
         os.close(fd)
     if len(raw) < 32 or raw[:8] != _IOSTATS_MAGIC:
         return None
-    return struct.unpack_from("<QQ", raw, 16)
+    errors = struct.unpack_from("<Q", raw, 32)[0] if len(raw) >= 40 else 0
+    return (*struct.unpack_from("<QQ", raw, 16), errors)
 
 
 _libc = None
@@ -176,7 +177,8 @@ def _mmap_shared(fd: int, size: int) -> int:
 
 
 class _IOCounters:
-    """The mapped counter file of one rank on one device: bytes read and written, added
+    """The mapped counter file of one rank on one device: bytes read and written, and
+    failed I/O ops (word 4, zero in files older than it: the file is preallocated), added
     by memory stores (no syscall per batch; the kernel writes the page back, so a killed
     process loses nothing, a power loss at most the last writeback interval)."""
 
@@ -189,7 +191,7 @@ class _IOCounters:
             self._addr = _mmap_shared(fd, _IOSTATS_SIZE)
         finally:
             os.close(fd)
-        self._words = (ctypes.c_uint64 * 4).from_address(self._addr)
+        self._words = (ctypes.c_uint64 * 5).from_address(self._addr)
         if bytes(self._words)[:8] != _IOSTATS_MAGIC:
             log.warning("%s is damaged; its byte counters restart at 0", path)
             ctypes.memmove(self._addr, _IOSTATS_MAGIC + struct.pack("<IIQQ", 1, 0, 0, 0), 32)
@@ -198,6 +200,10 @@ class _IOCounters:
         i = 2 if opcode == OP_READ else 3
         with _IOSTATS_LOCK:
             self._words[i] += nbytes
+
+    def add_errors(self, n: int) -> None:
+        with _IOSTATS_LOCK:
+            self._words[4] += n
 
     def close(self) -> None:
         if self._addr:
@@ -393,6 +399,9 @@ class RankIO:
         if not bad.size:
             return
         self.io_errors[d] += bad.size
+        c = self._counters[d] if d < len(self._counters) else None
+        if c is not None:
+            c.add_errors(int(bad.size))
         for e in np.unique(-bad):
             e = int(e)
             if e in DEVICE_ERRNOS and e != errno.EIO:

@@ -228,6 +228,7 @@ def _devices(dirs, geo, tp_size: int, s: dict | None, dev_used, fences=None) -> 
                "capacity_slots": geo.device_slots(d), "used_slots": used,
                "bytes_read": sum(c[0] for c in tracked) if tracked else None,
                "bytes_written": sum(c[1] for c in tracked) if tracked else None,
+               "io_errors": sum(c[2] for c in tracked) if tracked else None,
                "fs_free_bytes": fs_free}
         if fences and d in fences:
             # fenced by the server (or at its start): its slots are not used until
@@ -322,7 +323,8 @@ def format_text(info: dict) -> str:
         for dv in devs:
             used = "-" if dv["used_slots"] is None else f"{dv['used_slots']:,}"
             io = ("bytes not tracked" if dv["bytes_read"] is None else
-                  f"read {format_size(dv['bytes_read'])}, written {format_size(dv['bytes_written'])}")
+                  f"read {format_size(dv['bytes_read'])}, written {format_size(dv['bytes_written'])}"
+                  + (f", {dv['io_errors']:,} failed I/O op(s)" if dv.get("io_errors") else ""))
             state = dv['state'].upper() if dv['state'] != 'ok' else 'ok'
             if dv["state"] == "failed":
                 since = datetime.datetime.fromtimestamp(dv["failed_since"]).astimezone().strftime(
