@@ -34,7 +34,7 @@ NEED_GIB ?= 16
 define check_disk
 	@avail=$$(df --output=avail -BG . | tail -1 | tr -dc 0-9); if [ "$$avail" -lt $(1) ]; then \
 	  echo "error: $$avail GiB free on the file system of $$(pwd); installing needs about $(1) GiB" \
-	       "(two venvs of ~6.5 GiB each, plus the tests' stores): free some space (e.g. old" \
+	       "(each venv takes ~6.5 GiB, the tests' stores a few more): free some space (e.g. old" \
 	       "clones and stores under /tmp), then rerun"; exit 1; fi
 endef
 
@@ -52,6 +52,7 @@ build: $(STAMP) | $(SYSDEPS)
 	$(PY) setup.py -q build_ext --inplace
 
 $(ENGINE_STAMP): pyproject.toml setup.py tools/engine_env.py | $(STAMP) $(SYSDEPS)
+	$(if $(wildcard $(ENGINE_VENV)/bin/python),,$(call check_disk,8))
 	$(PYTHON) tools/engine_env.py $(ENGINE_VENV)
 	touch $(ENGINE_STAMP)
 
