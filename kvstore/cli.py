@@ -64,7 +64,8 @@ def bench_io(directory, size, block_size, queue_depth, page_cache, rounds, as_js
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None)
 @click.option("--json", "as_json", is_flag=True)
 def bench_index(entries, directory, as_json):
-    """LMDB index: prefix lookups, lookups/s, commits with evictions, open time."""
+    """LMDB index: prefix lookups, lookups/s, commits with evictions, open time; and the
+    connector's in-memory table (warm prefixes, the 511-block pinned walk with cold caches)."""
     from kvstore.bench import index_bench
     try:
         sizes = [int(x) for x in entries.split(",") if x.strip()]

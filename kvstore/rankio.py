@@ -40,9 +40,10 @@ VERIFY_MODES = ("checksum", "header")
 _VERIFY_CODE = {"header": 1, "checksum": 2}   # Ring.slot_io's verify levels
 OP_READ, OP_WRITE = 0, 1
 
-# Errors that mean "this device failed" (a store over several data directories fences
-# the device: EIO from the media or the controller, a device gone, a read-only remount);
-# anything else (ENOSPC, EINVAL, a bad checksum...) fails only the block it hit.
+# Errors that mean "this device may have failed" (a store over several data directories
+# fences the device: a device gone or a read-only remount at once, EIO from the media or
+# the controller past EIO_LIMIT or a failed probe, below); anything else (ENOSPC, EINVAL,
+# a bad checksum...) fails only the block it hit.
 DEVICE_ERRNOS = frozenset({errno.EIO, errno.ENODEV, errno.ENXIO, errno.EROFS, errno.ESHUTDOWN})
 # A device fails on its first ENODEV/ENXIO/EROFS/ESHUTDOWN (gone, or remounted read-only),
 # and on EIO once EIO_LIMIT ops failed with it within EIO_WINDOW_S (the rule ZFS's fault
@@ -399,8 +400,7 @@ class RankIO:
         if not bad.size:
             return
         self.io_errors[d] += bad.size
-        c = self._counters[d] if d < len(self._counters) else None
-        if c is not None:
+        if (c := self._counter(d)) is not None:
             c.add_errors(int(bad.size))
         for e in np.unique(-bad):
             e = int(e)
@@ -614,18 +614,20 @@ class RankIO:
         if not n:
             return
         self.io_bytes[d, opcode] += n
-        c = self._counters[d] if d < len(self._counters) else None
-        if c is not None:
+        if (c := self._counter(d)) is not None:
             c.add(opcode, n)
+
+    def _counter(self, d: int):
+        """Device d's iostats counters (None: read-only opener, or not available)."""
+        return self._counters[d] if d < len(self._counters) else None
 
     def _ring_submit(self, opcode, fds, offs, addrs, lens, devs):
         """Ring.submit of a plain batch (reads of headers or whole images), over the devices."""
         def call(d, idx):
-            ring = self.rings[d]
             if idx is None:
-                res = ring.submit(opcode, fds, offs, addrs, lens)
+                res = self.rings[d].submit(opcode, fds, offs, addrs, lens)
             else:
-                res = ring.submit(opcode, fds[idx], offs[idx], addrs[idx], lens[idx])
+                res = self.rings[d].submit(opcode, fds[idx], offs[idx], addrs[idx], lens[idx])
             self._account(d, opcode, res)
             self._note_errors(d, "write" if opcode == OP_WRITE else "read", res)
             return res
@@ -651,14 +653,13 @@ class RankIO:
         hdr_addrs = np.asarray(hdr_addrs, dtype=np.uint64)
 
         def call(d, idx):
-            ring = self.rings[d]
             if idx is None:
-                out = ring.slot_io(opcode, fds, offs, hdr_addrs, payload_addrs, io_len,
+                out = self.rings[d].slot_io(opcode, fds, offs, hdr_addrs, payload_addrs, io_len,
                                             keys, slots, gens, self.payload_len, verify=verify,
                                             payload_align=align)
             else:
                 sel = idx.tolist()
-                out = ring.slot_io(
+                out = self.rings[d].slot_io(
                     opcode, fds[idx], offs[idx], hdr_addrs[idx],
                     None if payload_addrs is None else np.asarray(payload_addrs)[idx], io_len,
                     [keys[i] for i in sel], [slots[i] for i in sel], [gens[i] for i in sel],

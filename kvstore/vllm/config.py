@@ -66,19 +66,18 @@ class ConnectorConfig:
                 raise ConfigError(f"kvstore: {key}={v!r} must be an integer in {lo}..{hi}")
             return v
 
+        def seconds(key, default):
+            v = extra.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"kvstore: {key}={v!r} must be a positive number of seconds")
+            return float(v)
+
         capacity = extra.get("capacity")
         capacity = None if capacity is None else parse_size(capacity)
         staging = parse_size(extra.get("staging", 256 << 20))
-        timeout = extra.get("load_timeout_s", 30.0)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ConfigError(f"kvstore: load_timeout_s={timeout!r} must be a positive number of seconds")
         create = extra.get("create", True)
         if not isinstance(create, bool):
             raise ConfigError(f"kvstore: create={create!r} must be true or false")
-        window = extra.get("device_eio_window_s", 600.0)
-        if isinstance(window, bool) or not isinstance(window, (int, float)) or \
-                not (math.isfinite(window) and window > 0):
-            raise ConfigError(f"kvstore: device_eio_window_s={window!r} must be a positive number of seconds")
         index_thread = extra.get("index_thread", True)
         if not isinstance(index_thread, bool):
             raise ConfigError(f"kvstore: index_thread={index_thread!r} must be true or false")
@@ -91,7 +90,7 @@ class ConnectorConfig:
             verify=choice("verify", "checksum", ("checksum", "header")),
             durability=choice("durability", "fdatasync", ("fdatasync", "none")),
             staging_bytes=staging,
-            load_timeout_s=float(timeout),
+            load_timeout_s=seconds("load_timeout_s", 30.0),
             max_store_blocks_per_step=integer("max_store_blocks_per_step", 4096, 1, 1 << 20),
             create=create,
             index_thread=index_thread,
@@ -101,7 +100,7 @@ class ConnectorConfig:
             admission=choice("admission", "always", ("always", "second_sight")),
             admission_window=integer("admission_window", 1 << 20, 16, 1 << 28),
             device_eio_limit=integer("device_eio_limit", 10, 1, 1 << 20),
-            device_eio_window_s=float(window),
+            device_eio_window_s=seconds("device_eio_window_s", 600.0),
         )
 
 
