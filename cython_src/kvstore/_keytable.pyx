@@ -321,7 +321,7 @@ cdef class KeyTable:
         self.pins = <uint32_t *>_huge_zeroed(<size_t>capacity * sizeof(uint32_t))
         if self.pins == NULL:
             raise MemoryError(f"KeyTable: cannot allocate pin counts for {capacity} slots")
-        # Faulted in now (~5-10 ms for 10M slots): a lookup's first pin in a huge page
+        # Faulted in now (5-60 ms for 10M slots): a lookup's first pin in a huge page
         # would otherwise allocate and zero it on vLLM's step thread (walks of 5 ms seen).
         # The table needs none of this: the index thread's fill writes it.
         memset(self.pins, 0, <size_t>capacity * sizeof(uint32_t))
