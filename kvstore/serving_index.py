@@ -38,6 +38,7 @@ included), kept as the baseline `kvstore bench connector` compares against
 """
 from __future__ import annotations
 
+import array
 import logging
 import queue
 import threading
@@ -46,7 +47,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvstore._keytable import KeyTable, pin_counts_add, pin_counts_remove
+from kvstore._keytable import KeyTable, make_keys, pin_counts_add, pin_counts_remove
 from kvstore.engine import DiskStore
 from kvstore.errors import KVStoreError, StoreFull
 from kvstore.index import Entry
@@ -77,6 +78,14 @@ class IndexEvent:
     failed: int = 0                 # committed: blocks not committed (stale or write error)
     error: Exception | None = None  # error: what failed (the step thread logs it once)
     what: str = ""
+
+
+def _packed(hit: tuple, packed: bool) -> tuple:
+    """A (keys, slots, generations) hit made of lists, as `lookup_hashes(packed=...)`
+    returns it."""
+    if not packed:
+        return hit
+    return None, array.array("I", hit[1]), array.array("Q", hit[2])
 
 
 def _split_failed(keys, slots, gens, failed) -> tuple[list[tuple], list[tuple]]:
@@ -201,16 +210,18 @@ class ServingIndex:
     # bytes) and run in C over the table (`KeyTable.prefix_of`, `plan_new`): no Python
     # object per block that is skipped, about 0.1-0.3 us per block.
 
-    def lookup_hashes(self, hashes: list, start: int, stop: int,
-                      group: int = 0) -> tuple[list[bytes], list[int], list[int]]:
+    def lookup_hashes(self, hashes: list, start: int, stop: int, group: int = 0,
+                      packed: bool = False) -> tuple[list[bytes] | None, Sequence[int], Sequence[int]]:
         """(keys, slots, generations) of the longest cached prefix of blocks start..stop
-        of `hashes` (vLLM block hashes of KV cache group `group`); the slots are pinned."""
+        of `hashes` (vLLM block hashes of KV cache group `group`); the slots are pinned.
+        With `packed`: (None, array('I') slots, array('Q') generations), no Python object
+        per block (the hit's keys are hashes[start:start + len(slots)] + group)."""
         if not self._ready:
-            return self._lookup_hashes_lmdb(hashes, start, stop, group)
+            return _packed(self._lookup_hashes_lmdb(hashes, start, stop, group), packed)
         with self._lock:    # found and pinned in one C walk
-            keys, slots, gens = self._table.prefix_of(hashes, start, stop, group, True)
+            keys, slots, gens = self._table.prefix_of(hashes, start, stop, group, True, packed)
             stop = min(stop, len(hashes))
-            base = max(0, start) + len(keys)
+            base = max(0, start) + len(slots)
             if base < stop and self._shared_now():
                 # other engines attached: what they stored may be in LMDB only (keys are
                 # made per chunk: a plain miss makes one)
@@ -218,9 +229,10 @@ class ServingIndex:
                     lambda a, b: [block_key(h, group) for h in hashes[base + a:base + b]],
                     stop - base)
                 if more[0]:
-                    keys += more[0]
-                    slots += more[1]
-                    gens += more[2]
+                    if not packed:
+                        keys += more[0]
+                    slots += type(slots)("I", more[1]) if packed else more[1]
+                    gens += type(gens)("Q", more[2]) if packed else more[2]
             return keys, slots, gens
 
     def _peer_prefix(self, keys_at, n: int) -> tuple[list, list, list]:
@@ -384,6 +396,12 @@ class ServingIndex:
     def touch(self, keys: Sequence[bytes]) -> None:
         if keys:
             self._ops.put(("touch", list(keys)))
+
+    def touch_blocks(self, runs: list[tuple[list, list]]) -> None:
+        """touch() of packed hits: (hashes, group runs) each, as a LoadJob carries them;
+        their keys are made on the index thread (`make_keys`)."""
+        if runs:
+            self._ops.put(("touch_blocks", runs))
 
     def drop(self, keys: Sequence[bytes]) -> None:
         """Remove entries (a load found them bad): no new lookup hits them from now on; a
@@ -584,6 +602,10 @@ class ServingIndex:
                 try:
                     if kind == "touch":
                         touches.extend(op[1])
+                        continue
+                    if kind == "touch_blocks":
+                        for hashes, groups in op[1]:
+                            touches.extend(make_keys(hashes, groups))
                         continue
                     if touches:         # keep the order of touches and the other writes
                         self._touch(touches)
@@ -872,8 +894,8 @@ class SyncServingIndex(ServingIndex):
     def contains(self, key):
         return self.index.lookup(key) is not None
 
-    def lookup_hashes(self, hashes, start, stop, group=0):
-        return self._lookup_hashes_lmdb(hashes, start, stop, group)
+    def lookup_hashes(self, hashes, start, stop, group=0, packed=False):
+        return _packed(self._lookup_hashes_lmdb(hashes, start, stop, group), packed)
 
     def present(self, hashes, start, stop, group=0):
         return self._present_lmdb(hashes, start, stop, group)
@@ -910,6 +932,10 @@ class SyncServingIndex(ServingIndex):
     def touch(self, keys):
         if keys:
             self.index.touch(list(keys))
+
+    def touch_blocks(self, runs):
+        keys = [k for hashes, groups in runs for k in make_keys(hashes, groups)]
+        self.touch(keys)
 
     def drop(self, keys):
         if keys:

@@ -216,10 +216,10 @@ def test_a_hybrid_lookup_that_fails_midway_leaves_no_pin(tmp_path, monkeypatch):
         ix = sched(h).index
         orig = ix.lookup_hashes
 
-        def flaky(hashes, lo, end, group=0):
+        def flaky(hashes, lo, end, group=0, **kw):
             if group == 1:
                 raise KVStoreError("injected")
-            return orig(hashes, lo, end, group)
+            return orig(hashes, lo, end, group, **kw)
         monkeypatch.setattr(ix, "lookup_hashes", flaky)
         before = dict(h.stats)
         s = h.run([p], max_tokens=1)

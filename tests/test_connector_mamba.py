@@ -303,11 +303,11 @@ def test_a_mamba_lookup_that_fails_midway_leaves_no_pin(tmp_path, monkeypatch):
         orig = ix.lookup_hashes
         calls = []
 
-        def flaky(hashes, lo, end, group=0):
+        def flaky(hashes, lo, end, group=0, **kw):
             calls.append(group)
             if group == SSM:
                 raise KVStoreError("injected")
-            return orig(hashes, lo, end, group)
+            return orig(hashes, lo, end, group, **kw)
         monkeypatch.setattr(ix, "lookup_hashes", flaky)
         before = dict(h.stats)
         s = h.run([p], max_tokens=1)

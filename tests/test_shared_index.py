@@ -250,3 +250,60 @@ def test_sweep_drops_only_entries_whose_slot_moved_on_slice_by_slice(tmp_path):
     assert all(t.get(keys[i]) is None for i in moved)
     assert all(t.get(keys[i]) == (i, i + 1) for i in range(n) if i % 7)
     assert t.sweep() == (0, 0)
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_the_packed_walk_is_the_list_walk_without_objects(tmp_path, attached):
+    """`prefix_of(packed=True)` (the scheduler's lookup: slots and generations as arrays,
+    no key made) against the list walk, over random tables, stale shared generations
+    (attached: every engine validates its hits) and starts: the same hit, the same pins,
+    the same stale entry dropped from the table."""
+    import array
+    import random
+
+    from kvstore._keytable import KeyTable, SharedMap
+
+    def mapped(name, size):
+        fd = os.open(tmp_path / name, os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, size)
+        m = SharedMap(fd, size, True)
+        os.close(fd)
+        return m
+    rng = random.Random(5)
+    n = 400
+    hashes = [b"p%031d" % i for i in range(n)]
+    tables = []
+    for name in ("a", "b"):                 # one walked packed, the other as lists
+        t = KeyTable(n)
+        if attached:
+            slots, pins = mapped(name + "slots", 4096 + 8 * n), mapped(name + "pins", 4096 + 4 * n)
+            t.attach(slots, pins)
+            slots.publish(list(range(n)), [i + 1 for i in range(n)])
+            slots.store(shared.W_VALID, 1)
+            tables.append((t, slots))
+        else:
+            tables.append((t, None))
+    for rnd in range(60):
+        present = [rng.random() < 0.9 for _ in range(n)]
+        stale = [attached and rng.random() < 0.02 for _ in range(n)]
+        for t, slots in tables:
+            for i, h in enumerate(hashes):
+                key = h + b"\x00\x00\x00\x00"
+                t.remove(key)
+                if present[i]:
+                    t.put(key, i, i + 1)
+            if slots is not None:
+                slots.publish(list(range(n)), [i + 1 + (10 ** 6 if stale[i] else 0) for i in range(n)])
+        start, stop, pin = rng.randrange(0, 50), rng.randrange(0, n + 20), rng.random() < 0.7
+        (ta, _), (tb, _) = tables
+        k, sa, ga = ta.prefix_of(hashes, start, stop, 0, pin, True)
+        kb, sb, gb = tb.prefix_of(hashes, start, stop, 0, pin)
+        assert k is None and isinstance(sa, array.array) and isinstance(ga, array.array)
+        assert list(sa) == sb and list(ga) == gb, (rnd, start, stop)
+        assert kb == [h + b"\x00\x00\x00\x00" for h in hashes[start:start + len(sb)]]
+        assert ta.pins_dict() == tb.pins_dict() and len(ta) == len(tb)
+        assert ta.stale_dropped == tb.stale_dropped
+        ta.unpin(sa)
+        tb.unpin(sb)
+        assert ta.pinned_slots == 0 == tb.pinned_slots
+    assert not attached or tables[0][0].stale_dropped > 0     # the stale path was walked

@@ -801,7 +801,7 @@ def _worker_step_times(rep, ctx, kv, cfg, names, page):
         rep.line(f"   KVStoreWorker: not importable here ({type(exc).__name__}: {exc}); primitives only")
         return {"skipped": str(exc)}
     from kvstore.engine import DiskStore
-    from kvstore.layout import Layout
+    from kvstore.layout import Layout, block_key
     lay = Layout(model="gpu-check-worker", **layout_kw("bf16", names, page))
     path = ctx.path("worker")
     cfg_c = ConnectorConfig(path=path, capacity=200 * lay.slot_size, staging_bytes=80 * lay.slot_size,
@@ -809,7 +809,8 @@ def _worker_step_times(rep, ctx, kv, cfg, names, page):
     w = KVStoreWorker(cfg_c, lay, 0, kv, cfg)
     store = DiskStore(path, lay)
     try:
-        keys = [b"w%d" % i for i in range(32)]
+        hashes = [b"gpu-check-w%02d" % i for i in range(32)]    # as vLLM's block hashes
+        keys = [block_key(h) for h in hashes]
         refs, _ = store.reserve(keys)
         meta = KVStoreMetadata(stores=[StoreJob(1, list(range(32)), keys, [r.slot for r in refs],
                                                 [r.generation for r in refs])])
@@ -829,8 +830,8 @@ def _worker_step_times(rep, ctx, kv, cfg, names, page):
         stored = sr is not None and (sr.ranks, list(sr.failed)) == (1, [])
         store.commit(refs)
         # a load of those blocks into other blocks, reported only once copied
-        lmeta = KVStoreMetadata(loads=[LoadJob(2, "r", list(range(64, 96)), keys, [r.slot for r in refs],
-                                               [r.generation for r in refs])])
+        lmeta = KVStoreMetadata(loads=[LoadJob(2, "r", list(range(64, 96)), hashes, [(0, 32)],
+                                               [r.slot for r in refs], [r.generation for r in refs])])
         w.bind(lmeta)
         w.start_load_kv()
         t3 = time.perf_counter()

@@ -1,26 +1,38 @@
 """Per-step messages between the scheduler side and the workers: plain data only.
 
-They cross process boundaries (pickled/msgspec'd by vLLM), so they hold ints, bytes and
-lists, never objects with behaviour.
+They cross process boundaries (pickled/msgspec'd by vLLM), so they hold ints, bytes,
+lists and arrays, never objects with behaviour.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata, KVConnectorWorkerMetadata,
 )
 
+from kvstore._keytable import make_keys
+
 
 @dataclass
 class LoadJob:
+    """One request's load. Its blocks' store keys are not carried: they are vLLM's block
+    hashes + group id (`load_keys`), made where they are needed (the worker's I/O thread,
+    the index thread's LRU touch), so the scheduler makes no Python object per block."""
     job_id: int
     req_id: str
     block_ids: list[int]       # GPU blocks to fill, in prefix order (groups one after another)
-    keys: list[bytes]
-    slots: list[int]
-    generations: list[int]
+    hashes: list[bytes]        # vLLM block hash of each block, in the same order
+    groups: list[tuple[int, int]]   # (KV cache group id, blocks) runs covering `hashes`
+    slots: Sequence[int]       # a list, or array('I') as the packed lookup returns it
+    generations: Sequence[int]  # a list, or array('Q')
     unavailable: bool = False  # nothing to read: the load fails at once (vLLM recomputes)
+
+
+def load_keys(job: LoadJob) -> list[bytes]:
+    """The store key of each block of `job` (hash + 4-byte group id, as `block_key`)."""
+    return make_keys(job.hashes, job.groups)
 
 
 @dataclass

@@ -92,8 +92,9 @@ class KVStoreScheduler:
             raise
         self._next_job = 1
         self._requests: dict[str, Any] = {}
-        # req -> (first block, keys, slots, generations) of its pinned lookup, pre-alloc
-        self._candidates: dict[str, tuple[int, list, list, list]] = {}
+        # req -> (first block, end block, pinned slots, hit) of its pinned lookup, pre-alloc:
+        # the hit is the generations (one group) or the groups' parts (hybrid)
+        self._candidates: dict[str, tuple[int, int, Any, Any]] = {}
         self._pending_loads: list[LoadJob] = []
         self._inflight_loads: dict[str, tuple[LoadJob, list[int]]] = {}   # job, pinned slots
         # Requests whose disk load failed (error, corruption, timeout): they recompute and
@@ -108,7 +109,7 @@ class KVStoreScheduler:
         self.stored_blocks_total = 0            # blocks committed since start (benchmarks)
         self._storing_keys: set[bytes] = set()  # planned, not yet committed or dropped
         self._stored_upto: dict[str, int] = {}
-        self._to_touch: list[bytes] = []
+        self._to_touch: list[tuple[list, list]] = []     # (hashes, group runs) of loads
         self._events: list = []
         self._stats = KVStoreStats()
         self._kv_cache_manager = None
@@ -153,9 +154,7 @@ class KVStoreScheduler:
             # Re-entry while the request waits for GPU blocks: the pinned lookup result
             # is still valid (pins keep it from eviction; a block dropped since then
             # fails verification on load and is recomputed), so skip the index walk.
-            if self.hybrid:
-                return (cand[1] - cand[0]) * self.block_size, True
-            return len(cand[2]) * self.block_size, True
+            return (cand[1] - cand[0]) * self.block_size, True
         self._release_candidate(req_id)
         if getattr(request.sampling_params, "skip_reading_prefix_cache", False) or \
                 req_id in self._inflight_loads or req_id in self._load_failed:
@@ -170,8 +169,10 @@ class KVStoreScheduler:
         if self.hybrid:
             return self._hybrid_lookup(request, start, end)
         try:
-            # In C over the in-memory table; pinned: eviction skips them.
-            keys, slots, gens = self.index.lookup_hashes(request.block_hashes, start, end)
+            # In C over the in-memory table; pinned: eviction skips them. Packed: the
+            # slots and generations as arrays, no key made (they are the hashes + group).
+            _, slots, gens = self.index.lookup_hashes(request.block_hashes, start, end,
+                                                      packed=True)
         except Exception as exc:    # never raises into the engine: a miss
             self._warn_once("lookup", exc)
             return 0, False
@@ -180,7 +181,7 @@ class KVStoreScheduler:
             self._stats.add(miss_lookups=1)
             self.index.count_hits(0, 1)
             return 0, False
-        self._candidates[req_id] = (start, keys, slots, gens)
+        self._candidates[req_id] = (start, start + n, slots, gens)
         self._stats.add(hit_blocks=n)
         # As DiskStore.get counts: hits in blocks, a miss per lookup that stopped short.
         self.index.count_hits(n, 0 if n == min(end, len(request.block_hashes)) - start else 1)
@@ -242,12 +243,12 @@ class KVStoreScheduler:
             parts, pinned = [], []
             for g in range(len(self.group_kinds)):
                 lo = self._group_lo(g, start, end)
-                keys, slots, gens = index.lookup_hashes(hashes, lo, end, g)
+                _, slots, gens = index.lookup_hashes(hashes, lo, end, g, packed=True)
                 pinned += slots
                 if len(slots) != end - lo:      # evicted meanwhile: a miss this time
                     end = start
                     break
-                parts.append((g, lo, keys, slots, gens))
+                parts.append((g, lo, slots, gens))
             if end <= start:
                 index.unpin(pinned)
                 self._stats.add(miss_lookups=1)
@@ -271,15 +272,16 @@ class KVStoreScheduler:
             self.index.unpin(pinned)
             return
         ids = blocks.get_block_ids()
-        block_ids, keys, slots, gens = [], [], [], []
+        block_ids, hashes, groups, slots, gens = [], [], [], [], []
         ok = start + n == end
-        for g, lo, k, s_, ge in parts if ok else ():
+        for g, lo, s_, ge in parts if ok else ():
             got = list(ids[g][lo:end]) if g < len(ids) else []
             if len(got) != end - lo or 0 in got:    # a null block where data is due
                 ok = False
                 break
             block_ids += got
-            keys += k
+            hashes += request.block_hashes[lo:end]
+            groups.append((g, end - lo))
             slots += s_
             gens += ge
         if not ok:
@@ -288,13 +290,14 @@ class KVStoreScheduler:
             self.index.unpin(pinned)
             self._warn_once("load planning", KVStoreError(
                 f"vLLM allocated {n} external blocks of a {end - start}-block hybrid hit"))
-            self._queue_load(LoadJob(self._job_id(), req_id, [], [], [], [], unavailable=True), [])
+            self._queue_load(LoadJob(self._job_id(), req_id, [], [], [], [], [], unavailable=True), [])
             return
         ups = self._stored_upto_g.setdefault(req_id, [0] * len(self.group_kinds))
         for g in range(len(ups)):
             if ups[g] >= self._group_lo(g, start, end):
                 ups[g] = end
-        self._queue_load(LoadJob(self._job_id(), req_id, block_ids, keys, slots, gens), slots)
+        self._queue_load(LoadJob(self._job_id(), req_id, block_ids, hashes, groups, slots, gens),
+                         slots)
         self._stats.add(hit_tokens=n * self.block_size)
 
     def _plan_eager_hybrid(self, scheduler_output, limit: int, keys: list, bids: list,
@@ -394,13 +397,14 @@ class KVStoreScheduler:
             return
         if self.hybrid:
             return self._hybrid_alloc(request, blocks, num_external_tokens, cand)
-        start, keys, slots, gens = cand
+        start, _, slots, gens = cand
         n = num_external_tokens // self.block_size
         if n <= 0:
             self.index.unpin(slots)
             return
-        self.index.unpin(slots[n:])
-        keys, slots, gens = keys[:n], slots[:n], gens[:n]
+        if n < len(slots):
+            self.index.unpin(slots[n:])
+            slots, gens = slots[:n], gens[:n]
         block_ids = [b.block_id for b in blocks.blocks[0][start:start + n]]
         if len(block_ids) != n:
             self.index.unpin(slots)
@@ -410,7 +414,9 @@ class KVStoreScheduler:
         # prefix hit before them (blocks 0..start), which may have left the disk.
         if self._stored_upto.get(req_id, 0) >= start:
             self._stored_upto[req_id] = start + n
-        self._queue_load(LoadJob(self._job_id(), req_id, block_ids, keys, slots, gens), slots)
+        hashes = request.block_hashes[start:start + n]
+        self._queue_load(LoadJob(self._job_id(), req_id, block_ids, hashes, [(0, n)], slots, gens),
+                         slots)
         self._stats.add(hit_tokens=n * self.block_size)
 
     # -- stores ----------------------------------------------------------------------
@@ -613,9 +619,10 @@ class KVStoreScheduler:
             self._stats.add(loaded_blocks=len(job.block_ids) - failed, load_failures=failed)
             if failed and live:
                 self._load_failed.add(req_id)
-            self._to_touch.extend(job.keys)
-        if self._to_touch:
-            self.index.touch(self._to_touch)
+            if job.hashes:
+                self._to_touch.append((job.hashes, job.groups))
+        if self._to_touch:      # keys made on the index thread
+            self.index.touch_blocks(self._to_touch)
             self._to_touch = []
         self._index_events()
 

@@ -25,7 +25,8 @@ from kvstore.errors import KVStoreError
 from kvstore.rankio import RankIO, SlotRef
 from kvstore.transfer import KVTransfer, check_groups_alias
 from kvstore.vllm.config import ConnectorConfig, carrier_group
-from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob, StoreReport
+from kvstore.vllm.metadata import (KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob, StoreReport,
+                                    load_keys)
 from kvstore.vllm.metrics import DEVICE_ERRORS, DEVICE_READ, DEVICE_WRITTEN, KVStoreStats
 
 log = logging.getLogger("kvstore.vllm.worker")
@@ -50,6 +51,7 @@ class _LoadState:
     io_failed: set = field(default_factory=set)
     io_bad: set = field(default_factory=set)
     left: int = 0                                  # blocks not yet delivered or failed
+    keys: list | None = None                       # the job's store keys, once made
 
 
 class KVStoreWorker:
@@ -144,7 +146,7 @@ class KVStoreWorker:
             with self._lock:
                 self._loads[job.req_id] = st
             if job.unavailable:     # the scheduler could not plan it: recompute, no I/O
-                st.io_failed.update(range(len(job.keys)))
+                st.io_failed.update(range(len(job.slots)))
                 self._finish_load(st)
                 continue
             self._put(0, ("load", st))
@@ -305,12 +307,14 @@ class KVStoreWorker:
         owner: list[tuple] = []          # (state, index of the block in its job)
         for st in states:
             job = st.job
-            for i, (k, s, g) in enumerate(zip(job.keys, job.slots, job.generations)):
+            # The keys are made here, on the I/O thread (the scheduler sends the hashes).
+            st.keys = load_keys(job)
+            for i, (k, s, g) in enumerate(zip(st.keys, job.slots, job.generations)):
                 refs.append(SlotRef(k, s, g))
                 owner.append((st, i))
         for st in states:
-            st.left = len(st.job.keys)
-            if not st.job.keys:
+            st.left = len(st.job.slots)
+            if not st.job.slots:
                 self._finish_load(st)
         # Two staging areas when the load spans several chunks: the ring reads the next
         # chunk while this thread scatters the previous one into the KV cache.
@@ -362,14 +366,14 @@ class KVStoreWorker:
         # what was not delivered, and the store keeps its entries (they may be fine).
         if not areas:
             for st in states:
-                st.io_failed.update(range(len(st.job.keys)))
+                st.io_failed.update(range(len(st.job.slots)))
         else:
             try:
                 self.io.read_pipelined(refs, areas, consume, verify=self.cfg.verify)
             except Exception as exc:
                 for st in states:
                     if st.left:
-                        st.io_failed.update(range(len(st.job.keys)))
+                        st.io_failed.update(range(len(st.job.slots)))
                 log.warning("kvstore rank %d: load of %d request(s) failed: %s; recomputing "
                             "them", self.rank, len(states), exc)
             finally:
@@ -390,7 +394,7 @@ class KVStoreWorker:
             failed = st.failed_idx = st.io_failed
             st.bad_idx = st.io_bad
             st.done = True
-        n = len(st.job.keys)
+        n = len(st.job.slots)
         self.loaded_bytes_total += (n - len(failed)) * self.io.payload_len
         # Block counts (loaded_blocks, load_failures) are the scheduler's: once per
         # block, not once per rank.
@@ -441,7 +445,7 @@ class KVStoreWorker:
                     if not self.hybrid:
                         self._bad_block_ids.add(st.job.block_ids[i])
                     if not st.cancelled and i in st.bad_idx:
-                        self._bad_keys.append(st.job.keys[i])
+                        self._bad_keys.append((st.keys or load_keys(st.job))[i])
 
     def get_finished(self, finished_req_ids) -> tuple[set[str] | None, set[str] | None]:
         self._collect_loads()
