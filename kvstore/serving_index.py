@@ -129,8 +129,9 @@ class ServingIndex:
         self._lock = threading.Lock()
         # The table also holds the pins (a count per slot, in C): a lookup pins its hit in
         # the walk that finds it, the eviction claim reads them without Python objects.
-        self._table = KeyTable(self.capacity)
         self.lease = getattr(store, "lease", None)
+        # (with a lease the pins move to its file at once: no point faulting ours in)
+        self._table = KeyTable(self.capacity, prefault=self.lease is None)
         self._epoch = -1
         self._next_peers = 0.0
         self._sweep_at = 0

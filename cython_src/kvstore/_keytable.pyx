@@ -310,7 +310,7 @@ cdef class KeyTable:
     cdef object _maps           # keeps the SharedMaps above mapped
     cdef readonly long long stale_dropped   # entries dropped because their slot moved on
 
-    def __cinit__(self, Py_ssize_t capacity):
+    def __cinit__(self, Py_ssize_t capacity, bint prefault=True):
         if capacity < 1:
             raise ValueError(f"KeyTable: capacity must be >= 1, got {capacity}")
         cdef uint64_t size = 16
@@ -329,8 +329,10 @@ cdef class KeyTable:
             raise MemoryError(f"KeyTable: cannot allocate pin counts for {capacity} slots")
         # Faulted in now (5-60 ms for 10M slots): a lookup's first pin in a huge page
         # would otherwise allocate and zero it on vLLM's step thread (walks of 5 ms seen).
-        # The table needs none of this: the index thread's fill writes it.
-        memset(self.pins, 0, <size_t>capacity * sizeof(uint32_t))
+        # The table needs none of this: the index thread's fill writes it. Not with
+        # `prefault=False`, for a table about to `attach` (its pins move to the lease).
+        if prefault:
+            memset(self.pins, 0, <size_t>capacity * sizeof(uint32_t))
         self.npinned = 0
         self.own_pins = True
         self.sgen = NULL
