@@ -210,16 +210,22 @@ def test_exclusive_open_waits_for_no_engine(tmp_path, child):
     DiskStore(path, exclusive=True).close()
 
 
+def _mapped(path, size):
+    """A SharedMap of a new file of `size` bytes (the store's slots map or a lease's pins)."""
+    from kvstore._keytable import SharedMap
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, size)
+    m = SharedMap(fd, size, True)
+    os.close(fd)
+    return m
+
+
 def test_sweep_drops_only_entries_whose_slot_moved_on_slice_by_slice(tmp_path):
     """The index thread's sweep (KeyTable.sweep over the shared generations), unit level."""
-    from kvstore._keytable import KeyTable, SharedMap
+    from kvstore._keytable import KeyTable
 
     def mapped(name, size):
-        fd = os.open(tmp_path / name, os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(fd, size)
-        m = SharedMap(fd, size, True)
-        os.close(fd)
-        return m
+        return _mapped(tmp_path / name, size)
     n = 5000
     slots, pins = mapped("slots", 4096 + 8 * n), mapped("pins", 4096 + 4 * n)
     t = KeyTable(n)
@@ -261,14 +267,10 @@ def test_the_packed_walk_is_the_list_walk_without_objects(tmp_path, attached):
     import array
     import random
 
-    from kvstore._keytable import KeyTable, SharedMap
+    from kvstore._keytable import KeyTable
 
     def mapped(name, size):
-        fd = os.open(tmp_path / name, os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(fd, size)
-        m = SharedMap(fd, size, True)
-        os.close(fd)
-        return m
+        return _mapped(tmp_path / name, size)
     rng = random.Random(5)
     n = 400
     hashes = [b"p%031d" % i for i in range(n)]
