@@ -303,3 +303,50 @@ def test_the_connector_never_imports_the_maintenance_module():
             "kvstore.vllm.worker, kvstore.serving_index; "
             "assert 'kvstore.index_maint' not in sys.modules, 'index_maint imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_keyset_is_a_set_of_keys_and_plan_new_probes_it_in_c():
+    """The keys being stored (`KeySet`: fingerprints in C, grown as it fills, deletion by
+    backward shift) answer as a Python set of the same keys would, through adds, discards
+    and difference updates in any order; `plan_new` given one plans exactly what it plans
+    given a set, and leaves the same keys claimed."""
+    import os
+    import random
+
+    from kvstore._keytable import KeySet
+    rng = random.Random(1)
+    ks, ref = KeySet(4), set()
+    pool = [os.urandom(36) for _ in range(3000)]
+    for step in range(100_000):
+        key = rng.choice(pool)
+        r = rng.random()
+        if r < 0.5:
+            ks.add(key)
+            ref.add(key)
+        elif r < 0.8:
+            ks.discard(key)
+            ref.discard(key)
+        elif r < 0.81:
+            sub = rng.sample(pool, 50)
+            ks.difference_update(sub)
+            ref.difference_update(sub)
+        assert (key in ks) == (key in ref)
+        if step % 10_000 == 0:
+            assert len(ks) == len(ref) and all((p in ks) == (p in ref) for p in pool)
+    assert bool(KeySet()) is False and 123 not in ks
+    t1, t2 = KeyTable(5000), KeyTable(5000)
+    hashes = [os.urandom(32) for _ in range(2000)]
+    for i in range(0, 2000, 3):
+        for t in (t1, t2):
+            t.put(hashes[i] + b"\0\0\0\0", i, 1)
+    a, b = KeySet(), set()
+    for r in range(200):
+        s0 = rng.randrange(0, 2000)
+        s1, lim = s0 + rng.randrange(0, 300), rng.randrange(1, 400)
+        got = t1.plan_new(hashes, s0, s1, list(range(2000)), a, lim)
+        assert got == t2.plan_new(hashes, s0, s1, list(range(2000)), b, lim), r
+        if rng.random() < 0.3:
+            a.difference_update(got[0][::2])
+            b.difference_update(got[0][::2])
+        assert len(a) == len(b) and all(k in a for k in b)
+    assert len(a) > 100

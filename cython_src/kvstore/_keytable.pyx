@@ -943,11 +943,12 @@ cdef class KeyTable:
         return bytes(out)
 
     def plan_new(self, list hashes, Py_ssize_t start, Py_ssize_t stop, list block_ids,
-                 set skip, Py_ssize_t limit, uint32_t group=0):
+                 object skip, Py_ssize_t limit, uint32_t group=0):
         """Blocks start..stop of `hashes` to store: (keys, block ids, block indices) of
         those whose key is neither in the table (already stored) nor in `skip` (being
-        stored); at most `limit` of them. Their keys are added to `skip` (the caller
-        removes the ones it does not keep). `block_ids` holds ints or vLLM's
+        stored: a `KeySet`, probed by the fingerprint the walk already has, or a set);
+        at most `limit` of them. Their keys are added to `skip` (the caller removes the
+        ones it does not keep). `block_ids` holds ints or vLLM's
         `KVCacheBlock` objects (the request's block list as vLLM keeps it: only the
         planned blocks' `block_id` is read, no id list of the whole request is made)."""
         cdef list keys = [], bids = [], idx = []
@@ -957,6 +958,7 @@ cdef class KeyTable:
         cdef Py_ssize_t lens[BATCH]
         cdef Py_ssize_t b, e, j
         cdef object key, bid
+        cdef KeySet fast = skip if type(skip) is KeySet else None
         if start < 0:
             start = 0
         if stop > len(hashes):
@@ -974,12 +976,20 @@ cdef class KeyTable:
                         break
                     if self._find(fps[j], fp2s[j]) >= 0:
                         continue
-                    key = PyBytes_FromStringAndSize(<char *>buf[j], lens[j])
-                    if key in skip:
-                        continue
-                    bid = block_ids[b + j]
-                    bids.append(bid if PyLong_Check(bid) else bid.block_id)
-                    skip.add(key)
+                    if fast is not None:
+                        if fast._has(fps[j], fp2s[j]):
+                            continue
+                        key = PyBytes_FromStringAndSize(<char *>buf[j], lens[j])
+                        bid = block_ids[b + j]
+                        bids.append(bid if PyLong_Check(bid) else bid.block_id)
+                        fast._add(fps[j], fp2s[j])
+                    else:
+                        key = PyBytes_FromStringAndSize(<char *>buf[j], lens[j])
+                        if key in skip:
+                            continue
+                        bid = block_ids[b + j]
+                        bids.append(bid if PyLong_Check(bid) else bid.block_id)
+                        skip.add(key)
                     keys.append(key)
                     idx.append(b + j)
                 b = e
@@ -1109,6 +1119,137 @@ cdef inline void _fingerprint_raw(const unsigned char *p, Py_ssize_t n, uint64_t
     fp2[0] = <uint32_t>(h.high64 >> 32)
 
 
+cdef struct FpEntry:
+    uint64_t fp         # 0: empty
+    uint32_t fp2
+    uint32_t _pad
+
+
+cdef class KeySet:
+    """A set of store keys kept as their XXH3-128 fingerprints (the table's identity of
+    a key), with the API of a Python set of bytes that the scheduler uses for the keys
+    being stored (`add`, `discard`, `in`, `difference_update`, `len`). `KeyTable.plan_new`
+    probes and fills it with the fingerprints its walk already made: no bytes hashed
+    again, no object made for a key that is skipped. Open addressing, grown by doubling
+    at 70% load, deletion by backward shift (no tombstones)."""
+    cdef FpEntry *t
+    cdef uint64_t mask
+    cdef Py_ssize_t n
+
+    def __cinit__(self, Py_ssize_t initial=1024):
+        cdef uint64_t size = 16
+        while size * 7 < <uint64_t>max(1, initial) * 10:
+            size *= 2
+        self.t = <FpEntry *>calloc(<size_t>size, sizeof(FpEntry))
+        if self.t == NULL:
+            raise MemoryError("KeySet")
+        self.mask = size - 1
+        self.n = 0
+
+    def __dealloc__(self):
+        free(self.t)
+        self.t = NULL
+
+    cdef inline Py_ssize_t _slot(self, uint64_t fp, uint32_t fp2) noexcept:
+        """Index of fp's entry, or -(index of the empty bucket that ends its run) - 1."""
+        cdef uint64_t i = fp & self.mask
+        while True:
+            if self.t[i].fp == 0:
+                return -<Py_ssize_t>i - 1
+            if self.t[i].fp == fp and self.t[i].fp2 == fp2:
+                return <Py_ssize_t>i
+            i = (i + 1) & self.mask
+
+    cdef inline bint _has(self, uint64_t fp, uint32_t fp2) noexcept:
+        return self._slot(fp, fp2) >= 0
+
+    cdef int _add(self, uint64_t fp, uint32_t fp2) except -1:
+        cdef Py_ssize_t i = self._slot(fp, fp2)
+        if i >= 0:
+            return 0
+        if <uint64_t>(self.n + 1) * 10 > (self.mask + 1) * 7:
+            self._grow()
+            i = self._slot(fp, fp2)
+        i = -i - 1
+        self.t[i].fp = fp
+        self.t[i].fp2 = fp2
+        self.n += 1
+        return 0
+
+    cdef int _grow(self) except -1:
+        cdef uint64_t old_size = self.mask + 1, size = old_size * 2, j, i
+        cdef FpEntry *old = self.t
+        cdef FpEntry *t = <FpEntry *>calloc(<size_t>size, sizeof(FpEntry))
+        if t == NULL:
+            raise MemoryError("KeySet")
+        for j in range(old_size):
+            if old[j].fp != 0:
+                i = old[j].fp & (size - 1)
+                while t[i].fp != 0:
+                    i = (i + 1) & (size - 1)
+                t[i] = old[j]
+        self.t = t
+        self.mask = size - 1
+        free(old)
+        return 0
+
+    cdef bint _discard(self, uint64_t fp, uint32_t fp2) noexcept:
+        cdef Py_ssize_t found = self._slot(fp, fp2)
+        cdef uint64_t i, j, k, mask = self.mask
+        if found < 0:
+            return False
+        i = j = <uint64_t>found
+        while True:
+            j = (j + 1) & mask
+            if self.t[j].fp == 0:
+                break
+            k = self.t[j].fp & mask
+            # the entry at j stays when its home k lies cyclically in (i, j]
+            if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
+                continue
+            self.t[i] = self.t[j]
+            i = j
+        self.t[i].fp = 0
+        self.t[i].fp2 = 0
+        self.n -= 1
+        return True
+
+    def add(self, bytes key):
+        cdef uint64_t fp
+        cdef uint32_t fp2
+        _fingerprint(key, &fp, &fp2)
+        self._add(fp, fp2)
+
+    def discard(self, bytes key):
+        cdef uint64_t fp
+        cdef uint32_t fp2
+        _fingerprint(key, &fp, &fp2)
+        self._discard(fp, fp2)
+
+    def difference_update(self, keys):
+        cdef uint64_t fp
+        cdef uint32_t fp2
+        cdef object k
+        for k in keys:
+            _fingerprint(<bytes?>k, &fp, &fp2)
+            self._discard(fp, fp2)
+
+    def __contains__(self, key):
+        cdef uint64_t fp
+        cdef uint32_t fp2
+        if not PyBytes_Check(key):
+            return False
+        _fingerprint(<bytes>key, &fp, &fp2)
+        return self._has(fp, fp2)
+
+    def __len__(self):
+        return self.n
+
+    def clear(self):
+        memset(self.t, 0, (self.mask + 1) * sizeof(FpEntry))
+        self.n = 0
+
+
 def make_keys(list hashes, list groups):
     """The store keys of a packed hit: hashes (vLLM block hashes, in order) + group id,
     `groups` giving (group id, count) runs that cover `hashes` in order. Made where the
@@ -1236,7 +1377,7 @@ cdef class SeenFilter:
                 return True
         return False
 
-    def admit(self, list keys, list bids, list idx, set skip):
+    def admit(self, list keys, list bids, list idx, object skip):
         """Filter a plan (parallel lists keys, block ids and, or None, block indices) to
         the blocks seen before, one probe per key; the first sightings are remembered,
         left out and their keys removed from `skip` (the keys being stored). Returns

@@ -19,7 +19,7 @@ from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys)
 
 from kvstore.engine import DiskStore, ensure_store
-from kvstore._keytable import SeenFilter
+from kvstore._keytable import KeySet, SeenFilter
 from kvstore.errors import KVStoreError
 from kvstore.serving_index import ServingIndex, SyncServingIndex
 from kvstore.vllm.config import ConnectorConfig, block_key
@@ -107,7 +107,9 @@ class KVStoreScheduler:
         self._inflight_stores: dict[int, InflightStore] = {}
         self._committing = 0                    # stores handed to the index thread
         self.stored_blocks_total = 0            # blocks committed since start (benchmarks)
-        self._storing_keys: set[bytes] = set()  # planned, not yet committed or dropped
+        # planned, not yet committed or dropped: fingerprints in C (`plan_new` probes it
+        # with the ones its walk made), a set's API for the other planners
+        self._storing_keys = KeySet()
         self._stored_upto: dict[str, int] = {}
         self._to_touch: list[tuple[list, list]] = []     # (hashes, group runs) of loads
         self._events: list = []
