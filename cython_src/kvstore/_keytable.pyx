@@ -1259,6 +1259,8 @@ def make_keys(list hashes, list groups):
     cdef Py_ssize_t pos = 0, j, n, total = 0
     cdef object g, cnt
     for g, cnt in groups:
+        if cnt < 0:
+            raise ValueError(f"make_keys: a group run of {cnt} blocks")
         total += <Py_ssize_t>cnt
     if total != len(hashes):
         raise ValueError(f"make_keys: the group runs cover {total} blocks, there are {len(hashes)} hashes")
