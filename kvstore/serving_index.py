@@ -341,12 +341,12 @@ class ServingIndex:
         return keys, bids, idx
 
     def pin(self, slots: Iterable[int]) -> None:
-        slots = slots if isinstance(slots, (list, array.array)) else list(slots)
+        slots = slots if isinstance(slots, list) else list(slots)
         with self._lock:
             self._table.pin(slots)
 
     def unpin(self, slots: Iterable[int]) -> None:
-        slots = slots if isinstance(slots, (list, array.array)) else list(slots)
+        slots = slots if isinstance(slots, list) else list(slots)
         if slots:
             with self._lock:
                 self._table.unpin(slots)
