@@ -600,15 +600,13 @@ cdef class KeyTable:
             i = (i + 1) & self.mask
 
     cdef void _delete_at(self, uint64_t i):
-        cdef uint64_t j = i, k
+        cdef uint64_t j = i
         cdef uint64_t mask = self.mask
         while True:
             j = (j + 1) & mask
             if self.t[j].fp == 0:
                 break
-            k = self.t[j].fp & mask
-            # the entry at j stays when its home k lies cyclically in (i, j]
-            if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
+            if _stays(i, j, self.t[j].fp & mask):
                 continue
             self.t[i] = self.t[j]
             i = j
@@ -1099,6 +1097,12 @@ cdef void *_huge_zeroed(size_t nbytes) noexcept:
     return p
 
 
+cdef inline bint _stays(uint64_t i, uint64_t j, uint64_t k) noexcept nogil:
+    """Backward-shift deletion of bucket i (linear probing): the entry at j, whose home
+    bucket is k, stays where it is when k lies cyclically in (i, j]."""
+    return (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j))
+
+
 cdef inline Py_ssize_t _make_key(object h, uint32_t group, unsigned char *buf) except -1:
     if not PyBytes_Check(h):
         raise TypeError(f"block hashes are bytes, got {type(h).__name__}")
@@ -1195,7 +1199,7 @@ cdef class KeySet:
 
     cdef bint _discard(self, uint64_t fp, uint32_t fp2) noexcept:
         cdef Py_ssize_t found = self._slot(fp, fp2)
-        cdef uint64_t i, j, k, mask = self.mask
+        cdef uint64_t i, j, mask = self.mask
         if found < 0:
             return False
         i = j = <uint64_t>found
@@ -1203,9 +1207,7 @@ cdef class KeySet:
             j = (j + 1) & mask
             if self.t[j].fp == 0:
                 break
-            k = self.t[j].fp & mask
-            # the entry at j stays when its home k lies cyclically in (i, j]
-            if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
+            if _stays(i, j, self.t[j].fp & mask):
                 continue
             self.t[i] = self.t[j]
             i = j
@@ -1214,13 +1216,13 @@ cdef class KeySet:
         self.n -= 1
         return True
 
-    def add(self, bytes key):
+    def add(self, bytes key not None):
         cdef uint64_t fp
         cdef uint32_t fp2
         _fingerprint(key, &fp, &fp2)
         self._add(fp, fp2)
 
-    def discard(self, bytes key):
+    def discard(self, bytes key not None):
         cdef uint64_t fp
         cdef uint32_t fp2
         _fingerprint(key, &fp, &fp2)
