@@ -12,6 +12,52 @@ from kvstore.errors import (  # noqa: F401
 __version__ = "0.1.0"
 
 
+def _import_liburing(attempts=5):
+    """Import the `liburing` binding once per process, serialized across processes.
+
+    liburing 2024.5.3's `__init__` runs dynamic_import 2024.5.2's importer, which cannot
+    read its own cache (its load_cache raises NameError inside a bare `except`) and so
+    removes and rewrites `liburing/__pycache__/__init__.importer-311.pyc` on every import:
+    two processes importing it at once (vLLM's workers, engines started together) race
+    on that remove and one dies with FileNotFoundError. The Cython core imports liburing
+    at module init, so kvstore imports it here first, holding an flock on the liburing
+    package directory (no write access needed; every kvstore process takes the same
+    lock), and retries when a process that does not take the lock raced it.
+    """
+    import fcntl
+    import importlib.util
+    import os
+    import sys
+
+    if "liburing" in sys.modules:
+        return
+    spec = importlib.util.find_spec("liburing")
+    if spec is None or not spec.submodule_search_locations:
+        return                      # not installed: importing the core says what to do
+    pkg_dir = list(spec.submodule_search_locations)[0]
+    fd = os.open(pkg_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        for attempt in range(attempts):
+            try:
+                import liburing  # noqa: F401
+                return
+            except FileNotFoundError:
+                if attempt == attempts - 1:
+                    raise
+                # the importer recorded the package as imported before it failed
+                try:
+                    from dynamic_import import check
+                    check.IMPORTER_CALLED.pop(os.path.join(pkg_dir, ""), None)
+                except ImportError:
+                    pass
+    finally:
+        os.close(fd)
+
+
+_import_liburing()
+
+
 def __getattr__(name):
     # The compiled core is imported lazily so that `import kvstore.errors` works in a
     # checkout where the extensions are not built yet (and says how to build them).
