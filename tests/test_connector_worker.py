@@ -362,3 +362,29 @@ def test_queued_loads_share_one_ring_pass_and_stores_keep_their_place(tmp_path):
         assert st["blocks_mismatched"] == 0, h.mismatches
         assert st["blocks_loaded"] - before["blocks_loaded"] >= 24
         assert sum(passes) >= 24 and len(passes) <= 6, passes
+
+
+def test_a_load_whose_keys_cannot_be_made_fails_alone(tmp_path, monkeypatch):
+    """The worker makes a load's keys on its I/O thread: a job that fails there (bad
+    metadata, no memory) is recomputed at once, and the loads in the same pass are served
+    (they do not wait for load_timeout_s)."""
+    import kvstore.vllm.worker as worker_mod
+    ps = prompts(29, 2, 70)
+    with kv_harness(tmp_path / "store", extra={"load_timeout_s": 20}) as h:
+        _stored(h, ps, max_tokens=1)
+        bad_hash = keys_of(h, ps[0])[0][:-4]
+        real = worker_mod.load_keys
+
+        def failing(job):
+            if job.hashes and bytes(job.hashes[0]) == bad_hash:
+                raise MemoryError("no memory for the keys")
+            return real(job)
+        monkeypatch.setattr(worker_mod, "load_keys", failing)
+        before, cb = dict(h.stats), conn_stats(h)
+        st = h.run(ps, max_tokens=2)
+        assert st["requests_finished"] - before["requests_finished"] == 2
+        assert st["blocks_mismatched"] == 0, h.mismatches
+        assert st["blocks_loaded"] - before["blocks_loaded"] == 4      # ps[1]'s blocks
+        assert conn_stats(h)["load_failures"] - cb["load_failures"] == 4
+        # The bytes were never read: the entries stay.
+        assert all(sched(h).store.lookup(k) is not None for k in keys_of(h, ps[0]))

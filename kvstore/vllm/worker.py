@@ -307,15 +307,31 @@ class KVStoreWorker:
         owner: list[tuple] = []          # (state, index of the block in its job)
         for st in states:
             job = st.job
+            st.left = len(job.slots)
             # The keys are made here, on the I/O thread (the scheduler sends the hashes).
-            st.keys = load_keys(job)
+            # A job whose keys cannot be made (malformed metadata, no memory) fails alone,
+            # at once: vLLM recomputes it; the others in the pass go on.
+            try:
+                st.keys = load_keys(job)
+            except Exception as exc:
+                log.warning("kvstore rank %d: load of request %s failed before reading (%s); "
+                            "it will be recomputed", self.rank, job.req_id, exc)
+                st.io_failed.update(range(len(job.slots)))
+                st.left = 0
+                self._finish_load(st)
+                continue
             for i, (k, s, g) in enumerate(zip(st.keys, job.slots, job.generations)):
                 refs.append(SlotRef(k, s, g))
                 owner.append((st, i))
         for st in states:
-            st.left = len(st.job.slots)
-            if not st.job.slots:
+            if not st.job.slots and st.left == 0 and not st.done:
                 self._finish_load(st)
+        if not refs:            # nothing to read: the ordering tickets go unused
+            for st in states:
+                if st.after:
+                    self.transfer.release(st.after)
+                    st.after = 0
+            return
         # Two staging areas when the load spans several chunks: the ring reads the next
         # chunk while this thread scatters the previous one into the KV cache.
         # Areas take what is free (stores may hold most of staging): a smaller area only
