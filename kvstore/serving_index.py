@@ -244,29 +244,40 @@ class ServingIndex:
         keys, so a plain miss costs one lookup."""
         out_k, out_s, out_g = [], [], []
         pos, chunk = 0, 1
-        while pos < n:
-            part = keys_at(pos, min(n, pos + chunk))
-            try:
-                entries = self.index.longest_prefix(part)
-            except KVStoreError as exc:     # e.g. a map another engine grew, not adopted yet
-                log.debug("kvstore: LMDB lookup for other engines' blocks failed: %s", exc)
-                break                       # a miss: vLLM computes the rest
-            if not entries:
-                break
-            ks = [e.key for e in entries]
-            ss = [e.slot for e in entries]
-            gs = [e.generation for e in entries]
-            self._table.pin(ss)
-            kept = self._table.validate_pinned(ks, ss, gs)
-            out_k += ks[:kept]
-            out_s += ss[:kept]
-            out_g += gs[:kept]
-            if kept < len(entries) or len(entries) < len(part):
-                break
-            pos += chunk
-            chunk = min(chunk * 8, 512)
+        ss = []                 # pinned and not yet in out_s (validate_pinned unpins the rest)
+        try:
+            while pos < n:
+                part = keys_at(pos, min(n, pos + chunk))
+                try:
+                    entries = self.index.longest_prefix(part)
+                except KVStoreError as exc:     # e.g. a map another engine grew, not adopted yet
+                    log.debug("kvstore: LMDB lookup for other engines' blocks failed: %s", exc)
+                    break                       # a miss: vLLM computes the rest
+                if not entries:
+                    break
+                ks = [e.key for e in entries]
+                ss = [e.slot for e in entries]
+                gs = [e.generation for e in entries]
+                self._table.pin(ss)
+                kept = self._table.validate_pinned(ks, ss, gs)
+                out_k += ks[:kept]
+                out_s += ss[:kept]
+                out_g += gs[:kept]
+                ss = []
+                if kept < len(entries) or len(entries) < len(part):
+                    break
+                pos += chunk
+                chunk = min(chunk * 8, 512)
+            if out_k:
+                self._table.put_many(out_k, out_s, out_g)
+        except Exception as exc:
+            # Anything else (no memory, a malformed record): a miss, and nothing it
+            # pinned stays pinned (the caller's own hit is the caller's).
+            self._table.unpin(out_s + ss)
+            log.warning("kvstore: lookup of other engines' blocks failed (%s: %s); treated "
+                        "as a miss", type(exc).__name__, exc)
+            return [], [], []
         if out_k:
-            self._table.put_many(out_k, out_s, out_g)
             self.cross_hits += len(out_k)
         return out_k, out_s, out_g
 

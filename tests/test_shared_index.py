@@ -120,6 +120,40 @@ def test_what_one_engine_stores_the_other_finds(tmp_path, child):
         assert st.index.owned_counts() == {}
 
 
+def test_a_failing_lookup_of_the_other_engines_blocks_is_a_miss_and_pins_nothing(
+        tmp_path, child):
+    path = make(tmp_path, 256)
+    b = child(path)
+    with DiskStore(path) as st:
+        ix = ServingIndex(st, pool_target=8)
+        ix.wait_ready(30)
+        mine = [k(i) for i in range(6)]
+        commit_keys(ix, mine)
+        theirs = [k(i, b"b") for i in range(40)]
+        assert b("commit", theirs) == ("ok",)
+        calls = []
+        real = ix.index.longest_prefix
+
+        def failing(keys):      # found the first chunks, then no memory
+            calls.append(len(keys))
+            if len(calls) == 3:
+                raise MemoryError("no memory for the records")
+            return real(keys)
+        ix.index.longest_prefix = failing
+        slots, gens = ix.lookup_pin(mine + theirs)
+        # its own hit stands (pinned), the other engine's part is a miss, not a leak
+        assert len(calls) == 3 and len(slots) == 6
+        assert ix.pinned_slots == 6
+        ix.unpin(slots)
+        assert ix.pinned_slots == 0
+        ix.index.longest_prefix = real
+        s2, _ = ix.lookup_pin(mine + theirs)
+        assert len(s2) == 46
+        ix.unpin(s2)
+        ix.close()
+        assert b("stop") == ("closed",)
+
+
 def test_hybrid_presence_walks_find_the_other_engines_blocks(tmp_path, child):
     """Sliding-window and Mamba groups are looked up per block (`present`): blocks another
     engine stored are found too, holes stay holes."""

@@ -859,7 +859,9 @@ cdef class KeyTable:
         cdef Py_ssize_t j, k
         cdef uint32_t x
         cdef unsigned char buf[KEY_MAX]
-        cdef Py_ssize_t klen
+        cdef Py_ssize_t klen, i
+        cdef uint64_t fp
+        cdef uint32_t fp2
         for j in range(n):          # the generations' cache misses overlap
             x = sa.data.as_uints[j]
             if x < self.capacity:
@@ -872,8 +874,13 @@ cdef class KeyTable:
                 if pin:
                     for k in range(j, n):
                         self._unpin_slot(sa.data.as_uints[k])
+                # Removed by its fingerprint, made from the hash in place: no object
+                # (an allocation failing here would leave the kept prefix pinned).
                 klen = _make_key(hashes[start + j], group, buf)
-                self.remove(PyBytes_FromStringAndSize(<char *>buf, klen), x)
+                _fingerprint_raw(buf, klen, &fp, &fp2)
+                i = self._find(fp, fp2)
+                if i >= 0 and self.t[i].slot == x:
+                    self._delete_at(<uint64_t>i)
                 self.stale_dropped += 1
                 return j
         return n
