@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import resource
 import time
 
 
@@ -48,6 +49,7 @@ def main() -> None:
         orig = getattr(cls, name)
 
         def timed(*args, **kw):
+            f = resource.getrusage(resource.RUSAGE_THREAD)
             c = time.thread_time_ns()
             try:
                 return orig(*args, **kw)
@@ -55,8 +57,10 @@ def main() -> None:
                 d = cur["d"]
                 if d is not None:
                     d[label] += (time.thread_time_ns() - c) / 1e3
-                    if count:
+                    if count:   # page faults taken in the call (minor + major)
+                        g = resource.getrusage(resource.RUSAGE_THREAD)
                         d["n_" + label] += 1
+                        d["flt_" + label] += (g.ru_minflt - f.ru_minflt) + (g.ru_majflt - f.ru_majflt)
         setattr(cls, name, timed)
 
     for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
@@ -79,7 +83,7 @@ def main() -> None:
 
     connector_bench.run(index_entries=a.index_entries, requests=a.requests, baseline=False)
     for phase in ("store", "load"):
-        rows = [(sum(v for k, v in d.items() if not k.startswith(("n_", "~"))), d)
+        rows = [(sum(v for k, v in d.items() if not k.startswith(("n_", "~", "flt_"))), d)
                 for p, busy, d in steps if p == phase and busy]
         if not rows:
             continue
