@@ -22,7 +22,9 @@ def _import_liburing(attempts=5):
     on that remove and one dies with FileNotFoundError. The Cython core imports liburing
     at module init, so kvstore imports it here first, holding an flock on the liburing
     package directory (no write access needed; every kvstore process takes the same
-    lock), and retries when a process that does not take the lock raced it.
+    lock), and retries when a process that does not take the lock raced it. Never raises:
+    where the lock cannot be had it only retries, and any other failure is left to the
+    core's own import to report.
     """
     import fcntl
     import importlib.util
@@ -35,24 +37,34 @@ def _import_liburing(attempts=5):
     if spec is None or not spec.submodule_search_locations:
         return                      # not installed: importing the core says what to do
     pkg_dir = list(spec.submodule_search_locations)[0]
-    fd = os.open(pkg_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        for attempt in range(attempts):
+        fd = os.open(pkg_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        fd = -1
+    try:
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:         # a file system without flock: retries alone
+                pass
+        for _ in range(attempts):
             try:
                 import liburing  # noqa: F401
                 return
             except FileNotFoundError:
-                if attempt == attempts - 1:
-                    raise
                 # the importer recorded the package as imported before it failed
                 try:
                     from dynamic_import import check
                     check.IMPORTER_CALLED.pop(os.path.join(pkg_dir, ""), None)
                 except ImportError:
                     pass
+            except Exception:
+                # Any other failure (a broken or read-only install): importing the core
+                # raises it again, with what to do; `kvstore.errors` stays importable.
+                return
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
 
 _import_liburing()

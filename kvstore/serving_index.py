@@ -256,9 +256,10 @@ class ServingIndex:
                 if not entries:
                     break
                 ks = [e.key for e in entries]
-                ss = [e.slot for e in entries]
+                new_s = [e.slot for e in entries]
                 gs = [e.generation for e in entries]
-                self._table.pin(ss)
+                self._table.pin(new_s)          # undoes its own pins when it raises
+                ss = new_s
                 kept = self._table.validate_pinned(ks, ss, gs)
                 out_k += ks[:kept]
                 out_s += ss[:kept]

@@ -381,10 +381,34 @@ def test_a_load_whose_keys_cannot_be_made_fails_alone(tmp_path, monkeypatch):
             return real(job)
         monkeypatch.setattr(worker_mod, "load_keys", failing)
         before, cb = dict(h.stats), conn_stats(h)
+        t0 = time.monotonic()
         st = h.run(ps, max_tokens=2)
+        # failed at once, not after its load_timeout_s (a correctness bound, not a speed one)
+        assert time.monotonic() - t0 < 15
         assert st["requests_finished"] - before["requests_finished"] == 2
         assert st["blocks_mismatched"] == 0, h.mismatches
         assert st["blocks_loaded"] - before["blocks_loaded"] == 4      # ps[1]'s blocks
         assert conn_stats(h)["load_failures"] - cb["load_failures"] == 4
         # The bytes were never read: the entries stay.
         assert all(sched(h).store.lookup(k) is not None for k in keys_of(h, ps[0]))
+
+
+def test_a_load_job_whose_lists_disagree_fails_alone(tmp_path, monkeypatch):
+    """Metadata whose block, slot and hash lists differ in length is refused as a whole
+    (recomputed), never read as far as the shortest list goes and reported loaded."""
+    import kvstore.vllm.worker as worker_mod
+    ps = prompts(31, 2, 70)
+    with kv_harness(tmp_path / "store", extra={"load_timeout_s": 20}) as h:
+        _stored(h, ps, max_tokens=1)
+        bad_hash = keys_of(h, ps[0])[0][:-4]
+        real = worker_mod.load_keys
+
+        def short(job):
+            keys = real(job)
+            return keys[:-1] if job.hashes and bytes(job.hashes[0]) == bad_hash else keys
+        monkeypatch.setattr(worker_mod, "load_keys", short)
+        before, cb = dict(h.stats), conn_stats(h)
+        st = h.run(ps, max_tokens=2)
+        assert st["blocks_mismatched"] == 0, h.mismatches
+        assert st["blocks_loaded"] - before["blocks_loaded"] == 4      # ps[1]'s blocks
+        assert conn_stats(h)["load_failures"] - cb["load_failures"] == 4

@@ -350,3 +350,25 @@ def test_keyset_is_a_set_of_keys_and_plan_new_probes_it_in_c():
             b.difference_update(got[0][::2])
         assert len(a) == len(b) and all(k in a for k in b)
     assert len(a) > 100
+
+
+def test_a_malformed_record_of_another_engine_unpins_only_what_the_walk_pinned():
+    """`_peer_prefix` on a record whose slot is beyond the table (a malformed or foreign
+    LMDB row): a miss, and the pins other requests hold stay (pin() undid its own)."""
+    import types
+
+    t = KeyTable(64)
+    t.pin([3])                          # another request holds slot 3
+
+    def rec(key, slot):
+        return types.SimpleNamespace(key=key, slot=slot, generation=1)
+
+    class Lmdb:
+        def longest_prefix(self, part):
+            if len(part) == 1:
+                return [rec(b"z" * 36, 5)]
+            return [rec(b"a" * 36, 3), rec(b"b" * 36, 1000)][:len(part)]
+    ix = types.SimpleNamespace(_table=t, index=Lmdb(), cross_hits=0)
+    out = ServingIndex._peer_prefix(ix, lambda a, b: [b"k%d" % i for i in range(a, b)], 10)
+    assert out == ([], [], [])
+    assert t.pin_count(3) == 1 and t.pin_count(5) == 0 and t.pinned_slots == 1

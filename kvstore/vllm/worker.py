@@ -313,10 +313,14 @@ class KVStoreWorker:
             # at once: vLLM recomputes it; the others in the pass go on.
             try:
                 st.keys = load_keys(job)
+                if not len(st.keys) == len(job.slots) == len(job.generations) == len(job.block_ids):
+                    raise ValueError(f"{len(st.keys)} keys, {len(job.slots)} slots, "
+                                     f"{len(job.generations)} generations and "
+                                     f"{len(job.block_ids)} blocks")
             except Exception as exc:
                 log.warning("kvstore rank %d: load of request %s failed before reading (%s); "
                             "it will be recomputed", self.rank, job.req_id, exc)
-                st.io_failed.update(range(len(job.slots)))
+                st.io_failed.update(range(len(job.block_ids)))   # what vLLM recomputes
                 st.left = 0
                 self._finish_load(st)
                 continue
@@ -410,11 +414,11 @@ class KVStoreWorker:
             failed = st.failed_idx = st.io_failed
             st.bad_idx = st.io_bad
             st.done = True
-        n = len(st.job.slots)
-        self.loaded_bytes_total += (n - len(failed)) * self.io.payload_len
+        n = max(0, len(st.job.slots) - len(failed))     # blocks delivered
+        self.loaded_bytes_total += n * self.io.payload_len
         # Block counts (loaded_blocks, load_failures) are the scheduler's: once per
         # block, not once per rank.
-        self._add_stats(loaded_bytes=(n - len(failed)) * self.io.payload_len)
+        self._add_stats(loaded_bytes=n * self.io.payload_len)
 
     # -- reports to the scheduler ----------------------------------------------------
     def _collect_loads(self) -> None:
