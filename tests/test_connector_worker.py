@@ -364,10 +364,13 @@ def test_queued_loads_share_one_ring_pass_and_stores_keep_their_place(tmp_path):
         assert sum(passes) >= 24 and len(passes) <= 6, passes
 
 
-def test_a_load_whose_keys_cannot_be_made_fails_alone(tmp_path, monkeypatch):
-    """The worker makes a load's keys on its I/O thread: a job that fails there (bad
-    metadata, no memory) is recomputed at once, and the loads in the same pass are served
-    (they do not wait for load_timeout_s)."""
+@pytest.mark.parametrize("fault", ["keys_raise", "lists_disagree"])
+def test_a_load_job_the_io_thread_cannot_take_fails_alone(tmp_path, monkeypatch, fault):
+    """The worker makes a load's keys on its I/O thread. A job that fails there (bad
+    metadata, no memory: `keys_raise`), or whose block, slot and key lists differ in
+    length (`lists_disagree`: never read as far as the shortest list goes and reported
+    loaded), is recomputed at once, and the other loads of the pass are served: they do
+    not wait for load_timeout_s."""
     import kvstore.vllm.worker as worker_mod
     ps = prompts(29, 2, 70)
     with kv_harness(tmp_path / "store", extra={"load_timeout_s": 20}) as h:
@@ -375,11 +378,14 @@ def test_a_load_whose_keys_cannot_be_made_fails_alone(tmp_path, monkeypatch):
         bad_hash = keys_of(h, ps[0])[0][:-4]
         real = worker_mod.load_keys
 
-        def failing(job):
+        def faulty(job):
+            keys = real(job)
             if job.hashes and bytes(job.hashes[0]) == bad_hash:
-                raise MemoryError("no memory for the keys")
-            return real(job)
-        monkeypatch.setattr(worker_mod, "load_keys", failing)
+                if fault == "keys_raise":
+                    raise MemoryError("no memory for the keys")
+                return keys[:-1]
+            return keys
+        monkeypatch.setattr(worker_mod, "load_keys", faulty)
         before, cb = dict(h.stats), conn_stats(h)
         t0 = time.monotonic()
         st = h.run(ps, max_tokens=2)
@@ -391,24 +397,3 @@ def test_a_load_whose_keys_cannot_be_made_fails_alone(tmp_path, monkeypatch):
         assert conn_stats(h)["load_failures"] - cb["load_failures"] == 4
         # The bytes were never read: the entries stay.
         assert all(sched(h).store.lookup(k) is not None for k in keys_of(h, ps[0]))
-
-
-def test_a_load_job_whose_lists_disagree_fails_alone(tmp_path, monkeypatch):
-    """Metadata whose block, slot and hash lists differ in length is refused as a whole
-    (recomputed), never read as far as the shortest list goes and reported loaded."""
-    import kvstore.vllm.worker as worker_mod
-    ps = prompts(31, 2, 70)
-    with kv_harness(tmp_path / "store", extra={"load_timeout_s": 20}) as h:
-        _stored(h, ps, max_tokens=1)
-        bad_hash = keys_of(h, ps[0])[0][:-4]
-        real = worker_mod.load_keys
-
-        def short(job):
-            keys = real(job)
-            return keys[:-1] if job.hashes and bytes(job.hashes[0]) == bad_hash else keys
-        monkeypatch.setattr(worker_mod, "load_keys", short)
-        before, cb = dict(h.stats), conn_stats(h)
-        st = h.run(ps, max_tokens=2)
-        assert st["blocks_mismatched"] == 0, h.mismatches
-        assert st["blocks_loaded"] - before["blocks_loaded"] == 4      # ps[1]'s blocks
-        assert conn_stats(h)["load_failures"] - cb["load_failures"] == 4
