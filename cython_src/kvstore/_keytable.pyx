@@ -641,6 +641,10 @@ cdef class KeyTable:
         cdef uint64_t fp
         cdef uint32_t fp2
         _fingerprint(key, &fp, &fp2)
+        return self._remove_fp(fp, fp2, slot)
+
+    cdef bint _remove_fp(self, uint64_t fp, uint32_t fp2, long long slot):
+        """remove() of the key whose fingerprint is (fp, fp2): no key object needed."""
         cdef Py_ssize_t i = self._find(fp, fp2)
         if i < 0 or (slot >= 0 and self.t[i].slot != <uint32_t>slot):
             return False
@@ -859,7 +863,7 @@ cdef class KeyTable:
         cdef Py_ssize_t j, k
         cdef uint32_t x
         cdef unsigned char buf[KEY_MAX]
-        cdef Py_ssize_t klen, i
+        cdef Py_ssize_t klen
         cdef uint64_t fp
         cdef uint32_t fp2
         for j in range(n):          # the generations' cache misses overlap
@@ -878,9 +882,7 @@ cdef class KeyTable:
                 # (an allocation failing here would leave the kept prefix pinned).
                 klen = _make_key(hashes[start + j], group, buf)
                 _fingerprint_raw(buf, klen, &fp, &fp2)
-                i = self._find(fp, fp2)
-                if i >= 0 and self.t[i].slot == x:
-                    self._delete_at(<uint64_t>i)
+                self._remove_fp(fp, fp2, x)
                 self.stale_dropped += 1
                 return j
         return n
@@ -1050,16 +1052,11 @@ cdef class KeyTable:
         cdef Py_ssize_t j, n = len(keys), done = 0
         cdef uint64_t fp
         cdef uint32_t fp2
-        cdef Py_ssize_t i
         if slots is not None and len(slots) != n:
             raise ValueError("remove_many: keys and slots differ in length")
         for j in range(n):
             _fingerprint(<bytes?>keys[j], &fp, &fp2)
-            i = self._find(fp, fp2)
-            if i < 0 or (slots is not None and self.t[i].slot != <uint32_t>slots[j]):
-                continue
-            self._delete_at(<uint64_t>i)
-            done += 1
+            done += self._remove_fp(fp, fp2, -1 if slots is None else <long long>slots[j])
         return done
 
     def remove_device(self, uint32_t ndev, uint32_t dev):

@@ -328,13 +328,10 @@ class KVStoreWorker:
                 refs.append(SlotRef(k, s, g))
                 owner.append((st, i))
         for st in states:
-            if not st.job.slots and st.left == 0 and not st.done:
+            if not st.job.slots and not st.done:
                 self._finish_load(st)
         if not refs:            # nothing to read: the ordering tickets go unused
-            for st in states:
-                if st.after:
-                    self.transfer.release(st.after)
-                    st.after = 0
+            self._release_unused_tickets(states)
             return
         # Two staging areas when the load spans several chunks: the ring reads the next
         # chunk while this thread scatters the previous one into the KV cache.
@@ -399,13 +396,17 @@ class KVStoreWorker:
             finally:
                 for area in areas:
                     self.slots.give(area)
+        self._release_unused_tickets(states)
+        for st in states:
+            if st.left:     # not reported from consume: no staging, or the read raised
+                st.left = 0
+                self._finish_load(st)
+
+    def _release_unused_tickets(self, states: list) -> None:
         for st in states:
             if st.after:   # no block of it was copied: its ordering ticket is unused
                 self.transfer.release(st.after)
                 st.after = 0
-            if st.left:     # not reported from consume: no staging, or the read raised
-                st.left = 0
-                self._finish_load(st)
 
     def _finish_load(self, st: _LoadState) -> None:
         with st.lock:
