@@ -30,7 +30,13 @@ def main() -> None:
     ap.add_argument("seconds", type=float, nargs="?", default=40.0)
     ap.add_argument("--slots", type=int, default=10_000_000)
     a = ap.parse_args()
-    os.makedirs(a.dir, exist_ok=False)
+    if a.seconds <= 3:
+        ap.error(f"seconds must be more than the 3 s warm-up, got {a.seconds}")
+    if a.slots < 1024:
+        ap.error(f"--slots must be at least 1024, got {a.slots}")
+    if os.path.exists(a.dir):
+        ap.error(f"{a.dir} exists: name a new directory (it is created, then deleted)")
+    os.makedirs(a.dir)
     try:
         n = a.slots
         maps = []
@@ -45,7 +51,7 @@ def main() -> None:
         start = time.monotonic()
         rows = []
         while time.monotonic() < start + a.seconds:
-            slots = [rng.randrange(n) for _ in range(511)]
+            slots = [rng.randrange(n) for _ in range(min(511, n))]
             f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
             c = time.perf_counter()
             t.pin(slots)
