@@ -22,6 +22,18 @@
 
 #ifndef _NSIG
 #define _NSIG 65
+/* A wake-up flag another thread sets while a pump runs (Ring.wake): the pump takes it
+ * after each reap and returns early, so its caller can add new work to the ring. */
+static inline void kvs_flag_set(int *flag)
+{
+    __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
+}
+
+static inline int kvs_flag_take(int *flag)
+{
+    return __atomic_exchange_n(flag, 0, __ATOMIC_ACQ_REL);
+}
+
 #endif
 
 /* liburing's private int_flags.h: the ring fd is registered (enter with its index). */
@@ -108,6 +120,18 @@ static inline void kvs_pause(long usec)
     ts.tv_sec = usec / 1000000;
     ts.tv_nsec = (usec % 1000000) * 1000;
     nanosleep(&ts, NULL);
+}
+
+/* A wake-up flag another thread sets while a pump runs (Ring.wake): the pump takes it
+ * after each reap and returns early, so its caller can add new work to the ring. */
+static inline void kvs_flag_set(int *flag)
+{
+    __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
+}
+
+static inline int kvs_flag_take(int *flag)
+{
+    return __atomic_exchange_n(flag, 0, __ATOMIC_ACQ_REL);
 }
 
 #endif

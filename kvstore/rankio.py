@@ -28,6 +28,7 @@ from kvstore import _slotfile
 from kvstore._hostbuf import HostBuffer
 from kvstore._ring import Ring
 from kvstore._slotfile import SlotFile
+from kvstore.device_stream import DeviceStream
 from kvstore.errors import AlignmentError, ConfigError, CorruptSlot, KVStoreError, StoreNotFound
 from kvstore.layout import HEADER_SIZE, Layout, check_layout, device_dirs, read_fingerprint
 from kvstore.staging import Staging
@@ -81,6 +82,42 @@ def _settle(fut) -> None:
         fut.result()
     except BaseException:
         pass
+
+
+class _Spread:
+    """One batch's device parts in flight (`RankIO._spread`): `result()` waits for every
+    part (the first error is raised once all of them have ended) and returns the per-op
+    results (an array, or a tuple of arrays) in batch order, passed through `then`."""
+
+    def __init__(self, n: int, dead: list, futs: list, then=None):
+        self.n = n
+        self.dead = dead     # (positions, result) of parts that never reached a ring
+        self.futs = futs     # (positions, Future), positions None: the whole batch
+        self._then = then
+
+    def then(self, fn) -> "_Spread":
+        self._then = fn
+        return self
+
+    def result(self):
+        parts, exc = list(self.dead), None
+        for idx, fut in self.futs:
+            try:
+                parts.append((idx, fut.result()))
+            except BaseException as e:   # the other devices' parts still finish first
+                exc = exc or e
+        if exc is not None:
+            raise exc
+        if len(parts) == 1 and parts[0][0] is None:
+            value = parts[0][1]
+        else:
+            single = not isinstance(parts[0][1], tuple)
+            outs = [np.empty(self.n, dtype=a.dtype) for a in ((parts[0][1],) if single else parts[0][1])]
+            for idx, r in parts:
+                for o, a in zip(outs, (r,) if single else r):
+                    o[idx] = a
+            value = outs[0] if single else tuple(outs)
+        return value if self._then is None else self._then(value)
 
 
 def _view_at(addr: int, nbytes: int) -> np.ndarray:
@@ -234,6 +271,11 @@ class RankIO:
     the payload checksum; a bad slot is reported per block, never handed to the caller.
     """
 
+    # Batch loops start chunk k+1 on the device streams before chunk k has drained
+    # (`DeviceStream`). False: the design before it, one ring call per chunk and device
+    # (each drains its queue at its tail), kept as the baseline of tools/ring_stream_ab.py.
+    streamed = True
+
     def __init__(self, store_dir: str, rank: int = 0, *, layout: Layout | None = None,
                  io_mode: str = "direct", queue_depth: int = 32, staging_bytes: int = 64 << 20,
                  readonly: bool = False, staging: Staging | None = None,
@@ -269,7 +311,7 @@ class RankIO:
         self.staging = None
         self._headers = None   # header memory of caller-memory transfers (read_into/write_from)
         self._pool = None
-        self._dev_pool = None
+        self._streams: list[DeviceStream] | None = None
         self._counters: list[_IOCounters | None] = []
         # bytes this opener moved, per device: [read, written]
         self.io_bytes = np.zeros((self.ndev, 2), dtype=np.int64)
@@ -499,10 +541,10 @@ class RankIO:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        if self._dev_pool is not None:
-            for pool in self._dev_pool:
-                pool.shutdown(wait=True)
-            self._dev_pool = None
+        if self._streams is not None:
+            for stream in self._streams:
+                stream.close()
+            self._streams = None
         for ring in self.rings:
             ring.close()
         self.rings = []
@@ -552,14 +594,15 @@ class RankIO:
         offs = (local % self.geometry.slots_per_file) * self.slot_size
         return self._fd_table[devs, fidx], offs.astype(np.uint64), devs
 
-    def _device_pool(self):
-        """One single-thread executor per device: device d's ring is only ever used by its
-        own thread, and its parts of consecutive batches run back to back (FIFO)."""
-        if self._dev_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-            self._dev_pool = [ThreadPoolExecutor(1, thread_name_prefix=f"kvstore-dev{d}-r{self.rank}")
-                              for d in range(self.ndev)]
-        return self._dev_pool
+    def _device_streams(self) -> list[DeviceStream]:
+        """One thread per device (`DeviceStream`): device d's ring is only ever used by
+        its own thread (or, with one device, by the caller between the stream's parts),
+        and the parts of consecutive chunks are started on it before the one ahead of
+        them has drained, so its queue stays full across chunk boundaries."""
+        if self._streams is None:
+            self._streams = [DeviceStream(self.rings[d], f"kvstore-dev{d}-r{self.rank}")
+                             for d in range(self.ndev)]
+        return self._streams
 
     def _fan(self, devs: np.ndarray, call):
         """Run one batch over the devices: `call(d, idx)` moves the ops at positions `idx`
@@ -569,37 +612,33 @@ class RankIO:
         ring's queue depth bounds the ops (and so the bytes) in flight on its device.
         Results (an array, or a tuple of arrays, per op) come back in batch order; every
         part has ended before this returns or raises."""
-        if self.ndev == 1:
+        if self.ndev == 1 or len(devs) == 0:
             return call(0, None)
-        groups = [(d, np.flatnonzero(devs == d)) for d in range(self.ndev)]
-        groups = [(d, i) for d, i in groups if i.size]
+        return self._spread(devs, call, lambda s, d, idx: s.call(lambda: call(d, idx))).result()
+
+    def _spread(self, devs: np.ndarray, call, post) -> "_Spread":
+        """Hand device d's part of a batch (positions idx) to its stream with `post(stream,
+        d, idx)` (a Future); a failed device's part fails at once, unsubmitted (`call` says
+        what its dead result looks like)."""
+        groups = [(d, np.flatnonzero(devs == d)) for d in range(self.ndev)] if self.ndev > 1 else [(0, None)]
+        groups = [(d, i) for d, i in groups if i is None or i.size]
         # one snapshot: another device thread may fail a device meanwhile, and every
         # group must land in exactly one of `dead` and `futs`
         failed = set(self.failed)
-        pools = self._device_pool()
-        if len(groups) <= 1 and not (groups and groups[0][0] in failed):
-            # Still on the device's own thread: with several devices the double buffer
-            # runs two ring ops at once, and a ring must never be used by two threads.
-            d = groups[0][0] if groups else 0
-            return pools[d].submit(call, d, None).result()
+        streams = self._device_streams()
         # A failed device's ops are never submitted: they fail with EIO at once, so no
         # request waits on a dead disk.
-        dead = [(idx, self._dead(call, len(idx))) for d, idx in groups if d in failed]
-        futs = [(idx, pools[d].submit(call, d, idx)) for d, idx in groups if d not in failed]
-        parts, exc = dead, None
-        for idx, fut in futs:
-            try:
-                parts.append((idx, fut.result()))
-            except BaseException as e:   # the other devices' parts still finish first
-                exc = exc or e
-        if exc is not None:
-            raise exc
-        single = not isinstance(parts[0][1], tuple)
-        outs = [np.empty(len(devs), dtype=a.dtype) for a in ((parts[0][1],) if single else parts[0][1])]
-        for idx, r in parts:
-            for o, a in zip(outs, (r,) if single else r):
-                o[idx] = a
-        return outs[0] if single else tuple(outs)
+        dead = [(idx, self._dead(call, len(devs) if idx is None else len(idx)))
+                for d, idx in groups if d in failed]
+        futs = []
+        try:
+            for d, idx in groups:
+                if d not in failed:
+                    futs.append((idx, post(streams[d], d, idx)))
+        except BaseException:
+            _Spread(len(devs), dead, futs).result()   # let the posted parts end first
+            raise
+        return _Spread(len(devs), dead, futs)
 
     @staticmethod
     def _dead(call, n: int):
@@ -633,17 +672,21 @@ class RankIO:
             return res
         return self._fan(devs, call)
 
-    def _submit(self, opcode, refs, stage_slots, verify: int = 0):
+    def _submit(self, opcode, refs, stage_slots, verify: int = 0, *, stream: bool = False):
         """Move refs[i] between disk and staging slot stage_slots[i] (header + payload).
 
         Writes are stamped and reads checked by the ring, inside its GIL-free loop.
-        Returns (results, status, fds, offsets) as `_slot_io`.
+        Returns (results, status, fds, offsets) as `_slot_io` (with `stream`, started).
         """
         stage = np.asarray(stage_slots, dtype=np.uint64)
         hdrs = np.uint64(self.staging.address) + stage * np.uint64(self.slot_size)
-        return self._slot_io(opcode, refs, hdrs, None, verify)
+        return self._slot_io(opcode, refs, hdrs, None, verify, stream=stream)
 
-    def _slot_io(self, opcode, refs, hdr_addrs, payload_addrs, verify: int):
+    def _slot_io(self, opcode, refs, hdr_addrs, payload_addrs, verify: int, *, stream: bool = False):
+        """Move whole slots (Ring.slot_io on each device's part). Returns (results, status,
+        fds, offsets); with `stream`, an object whose `result()` returns them: the parts
+        are started on the device streams at once and move while the caller goes on (the
+        caller must call result(), and keep the memory untouched until then)."""
         slots = [r.slot for r in refs]
         keys = [r.key for r in refs]
         gens = [r.generation for r in refs]
@@ -652,33 +695,48 @@ class RankIO:
         align = HEADER_SIZE if self._direct else 1
         hdr_addrs = np.asarray(hdr_addrs, dtype=np.uint64)
 
-        def call(d, idx):
+        def args(idx):
             if idx is None:
-                out = self.rings[d].slot_io(opcode, fds, offs, hdr_addrs, payload_addrs, io_len,
-                                            keys, slots, gens, self.payload_len, verify=verify,
-                                            payload_align=align)
-            else:
-                sel = idx.tolist()
-                out = self.rings[d].slot_io(
-                    opcode, fds[idx], offs[idx], hdr_addrs[idx],
+                return (opcode, fds, offs, hdr_addrs, payload_addrs, io_len, keys, slots, gens,
+                        self.payload_len)
+            sel = idx.tolist()
+            return (opcode, fds[idx], offs[idx], hdr_addrs[idx],
                     None if payload_addrs is None else np.asarray(payload_addrs)[idx], io_len,
                     [keys[i] for i in sel], [slots[i] for i in sel], [gens[i] for i in sel],
-                    self.payload_len, verify=verify, payload_align=align)
+                    self.payload_len)
+
+        def account(d, out):
             self._account(d, opcode, out[0])
             self._note_errors(d, "write" if opcode == OP_WRITE else "read", out[0])
             return out
+
+        def call(d, idx):
+            return account(d, self.rings[d].slot_io(*args(idx), verify=verify, payload_align=align))
         call.slot_io = True
-        res, status = self._fan(devs, call)
-        short = (res >= 0) & (res != self.slot_size)
-        if short.any():
-            # The ring completes every transfer or fails it; a partial count here would
-            # commit a half-written slot (writes cannot be verified), so never trust one.
-            log.warning("rank %d: %d %s(s) returned a short count (%s of %d bytes); treated as "
-                        "I/O errors", self.rank, int(short.sum()), "write" if opcode == OP_WRITE
-                        else "read", int(res[short][0]), self.slot_size)
-            res = res.copy()
-            res[short] = -errno.EIO
-        return res, status, fds, offs
+
+        def post(stream, d, idx):
+            return stream.start(lambda: self.rings[d].slot_io_start(*args(idx), verify=verify,
+                                                                    payload_align=align),
+                                lambda out: account(d, out))
+
+        def finish(out):
+            res, status = out
+            short = (res >= 0) & (res != self.slot_size)
+            if short.any():
+                # The ring completes every transfer or fails it; a partial count here would
+                # commit a half-written slot (writes cannot be verified), so never trust one.
+                log.warning("rank %d: %d %s(s) returned a short count (%s of %d bytes); treated as "
+                            "I/O errors", self.rank, int(short.sum()), "write" if opcode == OP_WRITE
+                            else "read", int(res[short][0]), self.slot_size)
+                res = res.copy()
+                res[short] = -errno.EIO
+            return res, status, fds, offs
+        if stream and refs:
+            return self._spread(devs, call, post).then(finish)
+        if stream:
+            empty = finish((np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)))
+            return _Spread(0, [(None, empty)], [])
+        return finish(self._fan(devs, call))
 
     def _error(self, opcode, res, fd, off, ref):
         name = {int(f.fd): f.path for f in self.files}.get(int(fd), f"fd {fd}")
@@ -765,7 +823,8 @@ class RankIO:
                                             thread_name_prefix=f"kvstore-ring-r{self.rank}")
         return self._pool
 
-    def _pipeline(self, nchunks: int, ring_op, after, before=None, *, overlap: bool) -> None:
+    def _pipeline(self, nchunks: int, ring_op, after, before=None, *, overlap: bool,
+                  streamed: bool = False) -> None:
         """The double buffer of every batch loop (writes, reads, scans).
 
         Chunk k is prepared by `before(k)` (this thread; writes fill its staging), moved
@@ -776,20 +835,25 @@ class RankIO:
         Without it (one area, or one chunk: nothing to overlap) everything runs here, in
         order. The ring is used by one thread at a time, and no ring op is still running
         when this returns or raises.
+
+        `streamed`: ring_op(k) starts chunk k on the device streams and returns at once
+        (`_slot_io(stream=True)`), so chunk k+1's ops are in each device's ring before
+        chunk k's tail drains, and no submitter thread is needed.
         """
         if not overlap or nchunks < 2:
             for k in range(nchunks):
                 if before is not None:
                     before(k)
-                after(k, ring_op(k))
+                res = ring_op(k)
+                after(k, res.result() if streamed else res)
             return
-        pool = self._submitter()
+        pool = None if streamed else self._submitter()
         inflight: list = []   # (k, future), oldest first, at most two
         try:
             for k in range(nchunks):
                 if before is not None:
                     before(k)
-                inflight.append((k, pool.submit(ring_op, k)))
+                inflight.append((k, ring_op(k) if streamed else pool.submit(ring_op, k)))
                 if len(inflight) == 2:
                     j, fut = inflight.pop(0)
                     after(j, fut.result())
@@ -826,7 +890,8 @@ class RankIO:
 
         def ring_op(k):
             start, stop, base = chunks[k]
-            return self._submit(OP_WRITE, refs[start:stop], range(base, base + stop - start))
+            return self._submit(OP_WRITE, refs[start:stop], range(base, base + stop - start),
+                                stream=self.streamed)
 
         def after(k, result):
             start, stop, _ = chunks[k]
@@ -835,7 +900,8 @@ class RankIO:
             for i in np.flatnonzero(res < 0):
                 errors[start + i] = self._error(OP_WRITE, res[i], fds[i], offs[i], refs[start + i])
 
-        self._pipeline(len(chunks), ring_op, after, before, overlap=self.staging_slots >= 2)
+        self._pipeline(len(chunks), ring_op, after, before, overlap=self.staging_slots >= 2,
+                       streamed=self.streamed)
         if durable:
             self._fdatasync(refs, fds_all, errors)
         return errors
@@ -882,7 +948,8 @@ class RankIO:
 
         def ring_op(k):
             start, stop, slots = plan[k]
-            return self._submit(OP_READ, refs[start:stop], slots[:stop - start], vcode)
+            return self._submit(OP_READ, refs[start:stop], slots[:stop - start], vcode,
+                                stream=self.streamed)
 
         def after(k, result):
             start, stop, slots = plan[k]
@@ -893,7 +960,7 @@ class RankIO:
             consume(start, stop, used, chunk_errors)
             errors.extend(chunk_errors)
 
-        self._pipeline(len(plan), ring_op, after, overlap=len(areas) > 1)
+        self._pipeline(len(plan), ring_op, after, overlap=len(areas) > 1, streamed=self.streamed)
         return errors
 
     def _verify(self, refs, stage_slots, res, status, fds, offs, check_payload) -> list[Exception | None]:

@@ -70,7 +70,7 @@ def test_single_device_chunks_never_share_a_ring_between_threads(tmp_path, disks
         assert not t.is_alive(), "the striped I/O hung"
         for ring in rio.rings:
             ring.fault_injector = None
-        assert users[0] == {"kvstore-dev0-r0_0"}, users     # device 0's ring: its thread only
+        assert users[0] == {"kvstore-dev0-r0"}, users     # device 0's ring: its thread only
         assert not overlap
         assert out["w"] == [None] * 60 and out["r"] == [None] * 60 and out["wrong"] == []
 

@@ -7,6 +7,7 @@ cdef enum:
     OP_WRITE = 1
     OP_FSYNC = 2
     MAX_BUFFERS = 64
+    MAX_ACTIVE = 8       # batches one ring keeps in flight at once (a stream's parts)
 
 cdef struct SlotWork:
     # The slot codec's part of one op (Ring.slot_io): the header is stamped just before a
@@ -42,6 +43,7 @@ cdef struct Op:
     __iovec iov[2]       # vectored ops: what is left to transfer
     __iovec sub[2]       # vectored ops: what the SQE in flight points at (stable memory)
     SlotWork *work       # slot codec work, or NULL for raw I/O
+    void *batch          # the Batch this op belongs to (its CQEs carry the op's address)
 
 cdef struct Batch:
     Op *ops
@@ -54,6 +56,10 @@ cdef struct Batch:
     Py_ssize_t completed
     SlotWork **checks        # slot_io reads whose last op completed, not yet checked
     Py_ssize_t nchecks
+    bint active              # in the ring's active list (its ops may be in flight)
+
+cdef class SlotIOPart
+
 
 cdef class Ring:
     cdef:
@@ -74,11 +80,22 @@ cdef class Ring:
         bint _files_registered
         dict _fd_names
         public object fault_injector
+        Batch *_active[8]        # batches with ops queued or in flight, oldest first
+        int _nactive
+        Py_ssize_t _inflight     # ops in the kernel's hands, over every active batch
+        int _wake                # set by another thread (`wake`): a pump returns early
 
-    cdef int _pump(self, Batch *b) except -1
-    cdef int _pump_nogil(self, Batch *b) except -1 nogil
-    cdef int _fill(self, Batch *b) noexcept nogil
-    cdef Py_ssize_t _reap(self, Batch *b) noexcept nogil
+    cdef int _pump(self, Batch *b, bint wakeable=*) except -1
+    cdef int _pump_nogil(self, Batch *b, bint wakeable) except -1 nogil
+    cdef int _fill(self) noexcept nogil
+    cdef Py_ssize_t _reap(self) noexcept nogil
+    cdef void _run_checks(self) noexcept nogil
+    cdef int _activate(self, Batch *b) except -1
+    cdef void _deactivate(self, Batch *b) noexcept
+    cdef int _start(self, Batch *b, int opcode, a_fd, a_off, a_len) except -1
+    cdef void _drain(self) noexcept
+    cdef _check_part(self, SlotIOPart part)
+    cdef void _forget(self, Batch *b) noexcept
     cdef void _requeue(self, Batch *b, Py_ssize_t i) noexcept nogil
     cdef void _finish(self, Batch *b, Op *op) noexcept nogil
     cdef int _buffer_index(self, uintptr_t addr, uint64_t length) noexcept
@@ -90,3 +107,14 @@ cdef class Ring:
     cdef _run_batch(self, Batch *b, int opcode, a_fd, a_off, a_len)
     cdef _abandon(self, Batch *b)
     cdef _release(self, Batch *b)
+
+
+cdef class SlotIOPart:
+    cdef Batch b
+    cdef SlotWork *works
+    cdef Ring ring
+    cdef object keys      # the C side borrows pointers into these bytes
+    cdef object out
+    cdef object status
+    cdef Py_ssize_t nslots
+    cdef bint ended

@@ -50,7 +50,7 @@ from kvstore.includes.uring cimport (
     io_uring_register_buffers, io_uring_unregister_buffers,
     io_uring_register_files, io_uring_unregister_files, iovec,
     kvs_submit_and_wait, kvs_wait_one, kvs_sq_unconsumed, kvs_pause, kvs_count,
-    kvs_stat,
+    kvs_stat, kvs_flag_set, kvs_flag_take,
 )
 from kvstore._hostbuf cimport HostBuffer
 from kvstore.includes.format cimport KVS_ALIGN
@@ -66,6 +66,7 @@ ALIGN = KVS_ALIGN
 REGISTER_PIECE = 1 << 30   # the kernel registers at most 1 GiB per buffer
 cdef uint64_t EARLY_SUBMIT_BYTES = 1 << 20   # checksum work that is worth a submit first
 cdef long RETRY_PAUSE_US = 50   # EAGAIN with none of our requests in the kernel: back off
+cdef int PUMP_WOKEN = -2        # _pump_nogil: returned early, another thread called wake()
 OPNAMES = ("read", "write", "fdatasync")
 _registration_warned = False
 ENTER_STATS = ("eintr", "eagain", "ebusy", "waits", "pauses")
@@ -79,7 +80,7 @@ def enter_stats():
     return {name: int(kvs_stat(i)) for i, name in enumerate(ENTER_STATS)}
 
 
-cdef int _resume(Ring ring, Batch *b, int err) noexcept nogil:
+cdef int _resume(Ring ring, int err) noexcept nogil:
     """The pump's answer to io_uring_enter failing with errno `err`, without the GIL:
     0 to go on with the batch (EINTR: retry; EAGAIN/EBUSY: reap, and if nothing was
     reaped wait for a completion, or pause when the kernel holds none of ours), else
@@ -92,9 +93,9 @@ cdef int _resume(Ring ring, Batch *b, int err) noexcept nogil:
     if err != EAGAIN and err != EBUSY:
         return err
     kvs_count(1 if err == EAGAIN else 2)
-    if ring._reap(b) > 0:
+    if ring._reap() > 0:
         return 0
-    if b.inflight > <Py_ssize_t>kvs_sq_unconsumed(r):
+    if ring._inflight > <Py_ssize_t>kvs_sq_unconsumed(r):
         # Some of ours are in the kernel's hands: their completions free what it lacks.
         kvs_count(3)
         ret = kvs_wait_one(r)
@@ -170,6 +171,9 @@ cdef class Ring:
         self._bufs_registered = False
         self._files_registered = False
         self.fault_injector = None
+        self._nactive = 0
+        self._inflight = 0
+        self._wake = 0
         if queue_depth < 1 or queue_depth > 4096:
             raise ValueError(f"queue_depth must be in 1..4096, got {queue_depth}")
         self.depth = queue_depth
@@ -196,6 +200,7 @@ cdef class Ring:
         """Tear the ring down (idempotent); registered buffers and files are released."""
         if not self._open:
             return
+        self._drain()   # parts still started (slot_io_start): no request may outlive the ring
         self._open = False
         io_uring_queue_exit(self._ring)  # also drops the kernel's buffer/file registrations
         self._iov = None
@@ -225,6 +230,12 @@ cdef class Ring:
     def ring_fd(self) -> int:
         self._check_open()
         return self._ring.ring_fd
+
+    @property
+    def active_batches(self) -> int:
+        """Batches started on this ring and not ended (slot_io_start parts, a running
+        submit): the ring fills from all of them, oldest first."""
+        return self._nactive
 
     @property
     def buffers_registered(self) -> bool:
@@ -350,69 +361,75 @@ cdef class Ring:
         self._fd_names[fd] = name
 
     @cython.cdivision(True)   # b.n > 0: no division check, which would take the GIL to raise
-    cdef int _fill(self, Batch *b) noexcept nogil:
-        """Move queued ops into SQEs while the ring has room and depth allows; returns how
-        many it prepared."""
+    cdef int _fill(self) noexcept nogil:
+        """Move queued ops into SQEs while the ring has room and depth allows, the oldest
+        active batch first (a started part's ops fill the room its predecessor's tail
+        leaves); returns how many it prepared."""
         cdef __io_uring_sqe *sqe
         cdef Op *op
+        cdef Batch *b
         cdef Py_ssize_t i
         cdef unsigned int length, left
-        cdef int fd, k, nsub
+        cdef int fd, k, nsub, a
         cdef int filled = 0
         cdef SlotWork *w
-        while b.qlen > 0 and b.inflight < b.max_inflight:
-            sqe = __io_uring_get_sqe(&self._ring.ptr)
-            if sqe == NULL:
-                break
-            i = b.queue[b.qhead]
-            b.qhead = (b.qhead + 1) % b.n
-            b.qlen -= 1
-            op = &b.ops[i]
-            fd = op.fd if op.fixed_file < 0 else op.fixed_file
-            length = op.remaining
-            if op.forced_short and op.forced_short < length:
-                length = op.forced_short
-                op.forced_short = 0
-            if op.work != NULL and op.opcode == OP_WRITE and not op.work.stamped:
-                w = op.work
-                stamp_header(w.hdr, w.key, w.key_len, w.slot, w.generation, w.payload_len,
-                             payload_hash(w.payload, w.payload_len))
-                w.stamped = 1
-            if op.opcode == OP_FSYNC:
-                __io_uring_prep_fsync(sqe, fd, __IORING_FSYNC_DATASYNC)
-            elif op.niov:
-                nsub = 0
-                left = length
-                for k in range(op.niov):
-                    if left == 0:
-                        break
-                    op.sub[k].iov_base = op.iov[k].iov_base
-                    op.sub[k].iov_len = op.iov[k].iov_len if op.iov[k].iov_len < left else left
-                    left -= <unsigned int>op.sub[k].iov_len
-                    nsub += 1
-                if op.opcode == OP_READ:
-                    __io_uring_prep_readv(sqe, fd, op.sub, nsub, op.offset)
+        for a in range(self._nactive):
+            b = self._active[a]
+            while b.qlen > 0 and self._inflight < b.max_inflight:
+                sqe = __io_uring_get_sqe(&self._ring.ptr)
+                if sqe == NULL:
+                    return filled
+                i = b.queue[b.qhead]
+                b.qhead = (b.qhead + 1) % b.n
+                b.qlen -= 1
+                op = &b.ops[i]
+                fd = op.fd if op.fixed_file < 0 else op.fixed_file
+                length = op.remaining
+                if op.forced_short and op.forced_short < length:
+                    length = op.forced_short
+                    op.forced_short = 0
+                if op.work != NULL and op.opcode == OP_WRITE and not op.work.stamped:
+                    w = op.work
+                    stamp_header(w.hdr, w.key, w.key_len, w.slot, w.generation, w.payload_len,
+                                 payload_hash(w.payload, w.payload_len))
+                    w.stamped = 1
+                if op.opcode == OP_FSYNC:
+                    __io_uring_prep_fsync(sqe, fd, __IORING_FSYNC_DATASYNC)
+                elif op.niov:
+                    nsub = 0
+                    left = length
+                    for k in range(op.niov):
+                        if left == 0:
+                            break
+                        op.sub[k].iov_base = op.iov[k].iov_base
+                        op.sub[k].iov_len = op.iov[k].iov_len if op.iov[k].iov_len < left else left
+                        left -= <unsigned int>op.sub[k].iov_len
+                        nsub += 1
+                    if op.opcode == OP_READ:
+                        __io_uring_prep_readv(sqe, fd, op.sub, nsub, op.offset)
+                    else:
+                        __io_uring_prep_writev(sqe, fd, op.sub, nsub, op.offset)
+                elif op.opcode == OP_READ:
+                    if op.fixed_buf >= 0:
+                        __io_uring_prep_read_fixed(sqe, fd, op.addr, length, op.offset, op.fixed_buf)
+                    else:
+                        __io_uring_prep_read(sqe, fd, op.addr, length, op.offset)
                 else:
-                    __io_uring_prep_writev(sqe, fd, op.sub, nsub, op.offset)
-            elif op.opcode == OP_READ:
-                if op.fixed_buf >= 0:
-                    __io_uring_prep_read_fixed(sqe, fd, op.addr, length, op.offset, op.fixed_buf)
-                else:
-                    __io_uring_prep_read(sqe, fd, op.addr, length, op.offset)
-            else:
-                if op.fixed_buf >= 0:
-                    __io_uring_prep_write_fixed(sqe, fd, op.addr, length, op.offset, op.fixed_buf)
-                else:
-                    __io_uring_prep_write(sqe, fd, op.addr, length, op.offset)
-            if op.fixed_file >= 0:
-                __io_uring_sqe_set_flags(sqe, __IOSQE_FIXED_FILE)
-            __io_uring_sqe_set_data64(sqe, <uint64_t>i)
-            b.inflight += 1
-            filled += 1
+                    if op.fixed_buf >= 0:
+                        __io_uring_prep_write_fixed(sqe, fd, op.addr, length, op.offset, op.fixed_buf)
+                    else:
+                        __io_uring_prep_write(sqe, fd, op.addr, length, op.offset)
+                if op.fixed_file >= 0:
+                    __io_uring_sqe_set_flags(sqe, __IOSQE_FIXED_FILE)
+                __io_uring_sqe_set_data64(sqe, <uint64_t><uintptr_t>op)
+                b.inflight += 1
+                self._inflight += 1
+                filled += 1
         return filled
 
-    cdef Py_ssize_t _reap(self, Batch *b) noexcept nogil:
-        """Consume every ready CQE; requeue short transfers and transient errors."""
+    cdef Py_ssize_t _reap(self) noexcept nogil:
+        """Consume every ready CQE (of any active batch: each carries its op's address);
+        requeue short transfers and transient errors."""
         cdef __io_uring *r = &self._ring.ptr
         cdef unsigned int ready = __io_uring_cq_ready(r)
         cdef unsigned int head = r.cq.khead[0]
@@ -420,15 +437,17 @@ cdef class Ring:
         cdef unsigned int k
         cdef __io_uring_cqe *cqe
         cdef Op *op
+        cdef Batch *b
         cdef Py_ssize_t i
         cdef int res
-        cdef SlotWork *w
         for k in range(ready):
             cqe = &r.cq.cqes[(head + k) & mask]
-            i = <Py_ssize_t>cqe.user_data
+            op = <Op *><uintptr_t>cqe.user_data
+            b = <Batch *>op.batch
+            i = op - b.ops
             res = cqe.res
-            op = &b.ops[i]
             b.inflight -= 1
+            self._inflight -= 1
             if res == -EAGAIN or res == -EINTR:
                 self._requeue(b, i)
             elif res < 0:
@@ -481,47 +500,112 @@ cdef class Ring:
         b.queue[(b.qhead + b.qlen) % b.n] = i
         b.qlen += 1
 
-    cdef int _pump_nogil(self, Batch *b) except -1 nogil:
+    cdef void _run_checks(self) noexcept nogil:
+        cdef int a
+        cdef Batch *b
+        for a in range(self._nactive):
+            b = self._active[a]
+            while b.nchecks > 0:
+                b.nchecks -= 1
+                _check(b.checks[b.nchecks])
+
+    cdef int _pump_nogil(self, Batch *target, bint wakeable) except -1 nogil:
         """The whole submit/reap loop, without the GIL and never taking it: returns 0
-        when the batch is done, or the (positive) errno of an io_uring_enter failure it
-        does not resume from (see `_resume`; the caller raises it). Read slots that
-        completed are checked only after the queue has been topped up and handed to the
-        kernel, so the device does not wait on the checksums."""
+        when `target` is done, PUMP_WOKEN when `wakeable`, another thread called `wake()`
+        and the target has no op left to queue, or the (positive) errno of an io_uring_enter failure it does not
+        resume from (see `_resume`; the caller raises it). Every active batch's ops are
+        filled and reaped meanwhile (the target's first). Read slots that completed are
+        checked only after the queue has been topped up and handed to the kernel, so the
+        device does not wait on the checksums."""
         cdef __io_uring *r = &self._ring.ptr
-        cdef int filled, ret, err
-        while b.completed < b.n or b.nchecks > 0:
-            filled = self._fill(b)
-            if b.nchecks > 0:
+        cdef int filled, ret, err, a
+        cdef Py_ssize_t nchecks
+        cdef uint64_t heavy
+        cdef Batch *b
+        while target.completed < target.n or target.nchecks > 0:
+            # Woken only once the target's tail has begun (nothing of it left to queue):
+            # earlier, the ring has the target's own ops to refill from, and returning
+            # would cost the caller a GIL take mid-batch for nothing.
+            if wakeable and target.qlen == 0 and kvs_flag_take(&self._wake):
+                kvs_submit_and_wait(r, 0)   # hand over what is prepared; errors: next pump
+                return PUMP_WOKEN
+            filled = self._fill()
+            nchecks = 0
+            heavy = 0
+            for a in range(self._nactive):
+                b = self._active[a]
+                if b.nchecks > 0:
+                    nchecks += b.nchecks
+                    if b.checks[0].verify == 2:
+                        heavy += <uint64_t>b.nchecks * b.checks[0].payload_len
+            if nchecks > 0:
                 # Checksums worth more than a syscall (>= 1 MiB pending): hand the refills
                 # to the kernel first, so the device is not short of work meanwhile (one
                 # submit per batch of checks, never per slot). A refused submit is left
                 # to the next submit-and-wait, which hands over the same SQEs.
-                if (filled and b.checks[0].verify == 2
-                        and <uint64_t>b.nchecks * b.checks[0].payload_len >= EARLY_SUBMIT_BYTES):
+                if filled and heavy >= EARLY_SUBMIT_BYTES:
                     ret = kvs_submit_and_wait(r, 0)
                     if ret < 0 and ret != -EINTR and ret != -EAGAIN and ret != -EBUSY:
                         return -ret
-                while b.nchecks > 0:
-                    b.nchecks -= 1
-                    _check(b.checks[b.nchecks])
+                self._run_checks()
             else:
                 ret = kvs_submit_and_wait(r, 1)
                 if ret < 0:
-                    err = _resume(self, b, -ret)
+                    err = _resume(self, -ret)
                     if err:
                         return err
-            self._reap(b)
+            self._reap()
         return 0
 
-    cdef int _pump(self, Batch *b) except -1:
+    cdef int _pump(self, Batch *b, bint wakeable=False) except -1:
         """Drive the batch to completion in one GIL-free section (EINTR/EAGAIN/EBUSY from
-        io_uring_enter are resumed inside it); any other kernel error raises OSError."""
+        io_uring_enter are resumed inside it); any other kernel error raises OSError.
+        Returns 1 when woken (`wakeable` only) before the batch was done, else 0."""
         cdef int err
         with nogil:
-            err = self._pump_nogil(b)
+            err = self._pump_nogil(b, wakeable)
+        if err == PUMP_WOKEN:
+            return 1
         if err:
             raise OSError(err, f"io_uring_enter failed: {os.strerror(err)}")
         return 0
+
+    cdef int _activate(self, Batch *b) except -1:
+        if self._nactive >= MAX_ACTIVE:
+            raise KVStoreError(f"a ring keeps at most {MAX_ACTIVE} batches in flight; finish "
+                               "a started one (slot_io_finish) before starting another")
+        self._active[self._nactive] = b
+        self._nactive += 1
+        b.active = True
+        return 0
+
+    cdef void _deactivate(self, Batch *b) noexcept:
+        cdef int a, j
+        for a in range(self._nactive):
+            if self._active[a] == b:
+                for j in range(a, self._nactive - 1):
+                    self._active[j] = self._active[j + 1]
+                self._nactive -= 1
+                break
+        b.active = False
+
+    cdef void _drain(self) noexcept:
+        """Submit nothing more and wait (bounded) until the kernel is done with every
+        active batch's requests (queue_exit alone would return before in-flight block I/O
+        ends, and their memory may be freed or reused); then no batch is active."""
+        cdef int tries = 0
+        cdef int ret, a
+        cdef __io_uring *r = &self._ring.ptr
+        for a in range(self._nactive):
+            self._active[a].qlen = 0
+        with nogil:
+            while self._inflight > 0 and tries < 10000:
+                tries += 1
+                ret = kvs_submit_and_wait(r, 1)   # also hands over SQEs already prepared
+                if self._reap() == 0 and ret < 0 and ret != -EINTR:
+                    kvs_pause(RETRY_PAUSE_US)    # bounded: 10000 tries of >= 50 us
+        while self._nactive > 0:
+            self._deactivate(self._active[0])
 
     cdef int _init_op(self, Op *op, int opcode, int fd, uint64_t offset) except -1:
         cdef int j
@@ -562,16 +646,31 @@ cdef class Ring:
         op.remaining = <unsigned int>length
         return 0
 
-    cdef _run_batch(self, Batch *b, int opcode, a_fd, a_off, a_len):
-        """Inject test faults, then drive the prepared batch to its end."""
+    cdef int _start(self, Batch *b, int opcode, a_fd, a_off, a_len) except -1:
+        """Make a prepared batch active: inject test faults, then fill the room the ring
+        has and hand it to the kernel (no wait: a pump drives it from here)."""
         cdef Py_ssize_t i
         for i in range(b.n):
             b.queue[i] = i
+            b.ops[i].batch = b
         b.qlen = b.n
         if b.max_inflight == 0:
             b.max_inflight = self.depth
+        self._activate(b)
         if self.fault_injector is not None:
-            self._inject(b, opcode, a_fd, a_off, a_len)
+            try:
+                self._inject(b, opcode, a_fd, a_off, a_len)
+            except BaseException:
+                self._deactivate(b)   # nothing of it was submitted
+                raise
+        with nogil:
+            if self._fill():
+                kvs_submit_and_wait(&self._ring.ptr, 0)   # a refusal: the pump resubmits
+        return 0
+
+    cdef _run_batch(self, Batch *b, int opcode, a_fd, a_off, a_len):
+        """Inject test faults, then drive the prepared batch to its end."""
+        self._start(b, opcode, a_fd, a_off, a_len)
         self._pump(b)
 
     def submit(self, int opcode, fds, offsets, addrs, lengths, *, bint check=True):
@@ -617,28 +716,90 @@ cdef class Ring:
         """End of a batch, however it ended: no request may still use its memory."""
         if b.inflight > 0:
             self._abandon(b)
+        if b.active:
+            self._deactivate(b)
         _batch_free(b)
 
     cdef _abandon(self, Batch *b):
         """An unexpected failure with requests still in flight: wait (bounded) until the
-        kernel is done with their buffers (queue_exit alone would return before in-flight
-        block I/O ends, and the caller may free or reuse that memory), then close."""
-        cdef int tries = 0
-        cdef int ret
-        cdef __io_uring *r = &self._ring.ptr
-        b.qlen = 0   # submit nothing more
-        with nogil:
-            while b.inflight > 0 and tries < 10000:
-                tries += 1
-                ret = kvs_submit_and_wait(r, 1)   # also hands over SQEs already prepared
-                if self._reap(b) == 0 and ret < 0 and ret != -EINTR:
-                    kvs_pause(RETRY_PAUSE_US)    # bounded: 10000 tries of >= 50 us
-        self.close()
+        kernel is done with every active batch's buffers, then close."""
+        self.close()   # close drains first
 
     def slot_io(self, int opcode, fds, offsets, hdr_addrs, payload_addrs, unsigned int io_len,
                 keys, slots, generations, unsigned long long payload_len, *,
                 int verify=2, bint check=True, unsigned int payload_align=ALIGN):
-        """Move whole slots (a 4096-byte header + `io_len` payload bytes) in one batch.
+        """`slot_io_start` and `slot_io_finish` in one call: see `slot_io_start`."""
+        return self.slot_io_finish(self.slot_io_start(
+            opcode, fds, offsets, hdr_addrs, payload_addrs, io_len, keys, slots, generations,
+            payload_len, verify=verify, check=check, payload_align=payload_align))
+
+    def wake(self):
+        """Make the running (or the next) `slot_io_pump` return early. The one Ring method
+        another thread may call: it only sets a flag the pump takes."""
+        kvs_flag_set(&self._wake)
+
+    def slot_io_pump(self, SlotIOPart part):
+        """Drive the ring (every started part, `part` first) until `part` is done (True)
+        or another thread called `wake()` and the part's tail has begun (all its ops
+        queued in the ring: the moment to start the next part) (False), without the GIL."""
+        self._check_part(part)
+        try:
+            return not self._pump(&part.b, True)
+        except BaseException:
+            self._release(&part.b)   # the ring is closed: nothing of it is in flight
+            raise
+
+    def slot_io_finish(self, SlotIOPart part):
+        """Drive the ring until `part` is done, and end it: returns (results, status) as
+        described in `slot_io_start`. Parts may end in any order; the other started parts'
+        ops keep the device busy meanwhile."""
+        self._check_part(part)
+        try:
+            self._pump(&part.b)
+        except BaseException:
+            self._release(&part.b)
+            raise
+        cdef Py_ssize_t i
+        cdef cnp.ndarray[int64_t, ndim=1] out = part.out
+        cdef cnp.ndarray[int32_t, ndim=1] status = part.status
+        for i in range(part.nslots):
+            out[i] = part.works[i].error if part.works[i].error < 0 else part.works[i].moved
+            status[i] = part.works[i].status
+        self._release(&part.b)
+        part.ended = True
+        return out, status
+
+    cdef _check_part(self, SlotIOPart part):
+        if part.ring is not self:
+            raise ValueError("this SlotIOPart was started on another ring")
+        if part.ended:
+            raise ValueError("this SlotIOPart has already ended (slot_io_finish)")
+        if not part.b.active:
+            raise KVStoreError("the ring was closed while this SlotIOPart was in flight; "
+                               "its slots did not move")
+
+    cdef void _forget(self, Batch *b) noexcept:
+        """A started part dropped without slot_io_finish: queue nothing more of it, and
+        wait until the kernel is done with what it has in flight (its memory is freed
+        next)."""
+        cdef int tries = 0
+        cdef int ret
+        cdef __io_uring *r = &self._ring.ptr
+        b.qlen = 0
+        with nogil:
+            while b.inflight > 0 and tries < 10000:
+                tries += 1
+                ret = kvs_submit_and_wait(r, 1)
+                if self._reap() == 0 and ret < 0 and ret != -EINTR:
+                    kvs_pause(RETRY_PAUSE_US)
+        if b.inflight > 0:
+            self.close()
+        self._deactivate(b)
+
+    def slot_io_start(self, int opcode, fds, offsets, hdr_addrs, payload_addrs, unsigned int io_len,
+                      keys, slots, generations, unsigned long long payload_len, *,
+                      int verify=2, bint check=True, unsigned int payload_align=ALIGN):
+        """Start moving whole slots (a 4096-byte header + `io_len` payload bytes) in one batch.
 
         Slot i: header at hdr_addrs[i], key keys[i] (bytes), slot number slots[i],
         generation generations[i]. Writes stamp each header just before their first
@@ -654,8 +815,13 @@ cdef class Ring:
           slot is two fixed-buffer ops (header, payload; the fault injector sees op 2i and
           2i+1 for slot i); otherwise one readv/writev of two iovecs.
 
-        Returns (results, status): int64 bytes moved or -errno per slot, and int32
-        SlotCheck codes (0 = good; reads only, meaningful where results[i] >= 0).
+        Returns a SlotIOPart at once: its ops are in the ring, and they move while this
+        ring is pumped, for this part or another (`slot_io_pump`, `slot_io_finish`), so a
+        caller that starts part k+1 before finishing part k keeps the device's queue full
+        across the boundary (at most MAX_ACTIVE started at once). `slot_io_finish(part)`
+        returns (results, status): int64 bytes moved or -errno per slot, and int32
+        SlotCheck codes (0 = good; reads only, meaningful where results[i] >= 0). The
+        memory the slots move from or to must stay untouched until then.
         """
         self._check_open()
         if opcode not in (OP_READ, OP_WRITE):
@@ -678,10 +844,12 @@ cdef class Ring:
         if io_len == 0 or io_len % ALIGN or payload_len > io_len:
             raise AlignmentError(f"slot_io: payload transfer of {io_len} bytes must be a positive "
                                  f"multiple of {ALIGN} holding the {payload_len}-byte payload")
-        cdef cnp.ndarray[int64_t, ndim=1] out = np.zeros(n, dtype=np.int64)
-        cdef cnp.ndarray[int32_t, ndim=1] status = np.zeros(n, dtype=np.int32)
-        if n == 0:
-            return out, status
+        cdef SlotIOPart part = SlotIOPart.__new__(SlotIOPart)
+        part.ring = self
+        part.nslots = n
+        part.keys = keys
+        part.out = np.zeros(n, dtype=np.int64)
+        part.status = np.zeros(n, dtype=np.int32)
         cdef Py_ssize_t i
         # Caller memory that lies in registered buffers (headers too) moves as two
         # fixed-buffer ops per slot, header and payload: no page pinning per I/O, which
@@ -705,16 +873,20 @@ cdef class Ring:
             else:
                 a_fd_ops, a_off_ops = a_fd, a_off
                 a_len_ops = np.full(n, ALIGN + io_len, dtype=np.uint32)
-        cdef Batch b
-        _batch_alloc(&b, nops, n)
+        if n == 0:
+            _batch_alloc(&part.b, 0, 0)
+            self._activate(&part.b)   # done at once: finish returns the empty arrays
+            return part
+        _batch_alloc(&part.b, nops, n)
         cdef SlotWork *works = <SlotWork *>PyMem_Malloc(sizeof(SlotWork) * n)
         if works == NULL:
-            _batch_free(&b)
             raise MemoryError()
+        part.works = works
+        cdef Batch *b = &part.b
         cdef Op *op
         cdef bytes key
         cdef uintptr_t hdr, pay
-        try:
+        if True:   # (the part frees its batch and works however this ends)
             memset(works, 0, sizeof(SlotWork) * n)
             # The queue depth counts slots: a split slot's 4 KiB header op rides along with
             # its payload op (the completion queue holds 2x depth entries, so it cannot
@@ -764,14 +936,8 @@ cdef class Ring:
                 works[i].verify = verify
                 works[i].parts_left = <int>per
                 op.work = &works[i]
-            self._run_batch(&b, opcode, a_fd_ops, a_off_ops, a_len_ops)
-            for i in range(n):
-                out[i] = works[i].error if works[i].error < 0 else works[i].moved
-                status[i] = works[i].status
-        finally:
-            self._release(&b)
-            PyMem_Free(works)
-        return out, status
+            self._start(b, opcode, a_fd_ops, a_off_ops, a_len_ops)
+        return part
 
     cdef _check_op(self, int opcode, int fd, uint64_t offset, uintptr_t addr, uint64_t length):
         what = f"{OPNAMES[opcode]} of {self._fd_names.get(fd, f'fd {fd}')}"
@@ -864,3 +1030,39 @@ cdef class Ring:
         return (f"Ring(queue_depth={self.depth}, buffers={self._nbufs}"
                 f"{' registered' if self._bufs_registered else ''}, files={self._nfiles}"
                 f"{' registered' if self._files_registered else ''})")
+
+
+cdef class SlotIOPart:
+    """A slot_io batch started on a Ring (`Ring.slot_io_start`) and not yet ended: the
+    ring owns its progress, `Ring.slot_io_finish` its results. Dropped unfinished, it
+    waits for its ops in flight before its memory goes (never a request into freed
+    memory)."""
+
+    def __cinit__(self):
+        memset(&self.b, 0, sizeof(Batch))
+        self.works = NULL
+
+    def __dealloc__(self):
+        if self.b.active and self.ring is not None:
+            self.ring._forget(&self.b)
+        _batch_free(&self.b)
+        PyMem_Free(self.works)
+        self.works = NULL
+
+    @property
+    def done(self) -> bool:
+        """Every op has its result and every read its check (the ring needs no more pumping)."""
+        return self.ended or (self.b.completed >= self.b.n and self.b.nchecks == 0)
+
+    @property
+    def completed(self) -> int:
+        """Ops of this part that have their final result."""
+        return self.b.completed
+
+    @property
+    def in_flight(self) -> int:
+        """Ops of this part in the kernel's hands now."""
+        return self.b.inflight
+
+    def __len__(self):
+        return self.nslots

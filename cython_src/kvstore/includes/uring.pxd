@@ -35,3 +35,5 @@ cdef extern from "kvstore_enter.h" nogil:
     void kvs_pause(long usec) noexcept
     void kvs_count(int which) noexcept
     unsigned long long kvs_stat(int which) noexcept
+    void kvs_flag_set(int *flag) noexcept
+    int kvs_flag_take(int *flag) noexcept
