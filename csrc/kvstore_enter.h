@@ -22,18 +22,6 @@
 
 #ifndef _NSIG
 #define _NSIG 65
-/* A wake-up flag another thread sets while a pump runs (Ring.wake): the pump takes it
- * after each reap and returns early, so its caller can add new work to the ring. */
-static inline void kvs_flag_set(int *flag)
-{
-    __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
-}
-
-static inline int kvs_flag_take(int *flag)
-{
-    return __atomic_exchange_n(flag, 0, __ATOMIC_ACQ_REL);
-}
-
 #endif
 
 /* liburing's private int_flags.h: the ring fd is registered (enter with its index). */
@@ -122,8 +110,9 @@ static inline void kvs_pause(long usec)
     nanosleep(&ts, NULL);
 }
 
-/* A wake-up flag another thread sets while a pump runs (Ring.wake): the pump takes it
- * after each reap and returns early, so its caller can add new work to the ring. */
+/* A wake-up flag another thread sets while a pump runs (Ring.wake): the pump takes it at
+ * the top of its loop once its target has nothing left to queue, and returns early, so
+ * its caller can start new work on the ring. */
 static inline void kvs_flag_set(int *flag)
 {
     __atomic_store_n(flag, 1, __ATOMIC_RELEASE);

@@ -23,6 +23,11 @@ from typing import Any, Callable
 
 from kvstore.errors import KVStoreError
 
+# Parts started on one ring at once: a Ring keeps at most 8 batches active, and one is
+# left for a plain call (a header read, an fdatasync) run between pumps. Parts posted
+# beyond that wait, unstarted, until one ends.
+MAX_STARTED = 7
+
 
 class DeviceStream:
     """The thread that owns one device's ring (see the module docstring)."""
@@ -66,25 +71,34 @@ class DeviceStream:
 
     def _run(self) -> None:
         active: collections.deque = collections.deque()   # (part, after, future), oldest first
+        waiting: collections.deque = collections.deque()  # parts posted, not started yet
         while True:
             with self._cv:
-                while not self._items and not active and not self._closed:
+                while not self._items and not active and not waiting and not self._closed:
                     self._cv.wait()
                 items = list(self._items)
                 self._items.clear()
                 closing = self._closed
-            for kind, fn, after, fut in items:
+            for item in items:
+                kind, fn, after, fut = item
+                if kind == "call":
+                    if fut.set_running_or_notify_cancel():
+                        try:
+                            fut.set_result(fn())
+                        except BaseException as exc:   # noqa: BLE001 - handed to the waiter
+                            fut.set_exception(exc)
+                else:
+                    waiting.append(item)
+            while waiting and len(active) < MAX_STARTED:
+                _, fn, after, fut = waiting.popleft()
                 if not fut.set_running_or_notify_cancel():
                     continue
                 try:
-                    if kind == "call":
-                        fut.set_result(fn())
-                    else:
-                        active.append((fn(), after, fut))
-                except BaseException as exc:   # noqa: BLE001 - handed to the waiter
+                    active.append((fn(), after, fut))
+                except BaseException as exc:   # noqa: BLE001
                     fut.set_exception(exc)
             if not active:
-                if closing:
+                if closing and not waiting:
                     return
                 continue
             part, after, fut = active[0]
@@ -94,8 +108,9 @@ class DeviceStream:
                 active.popleft()
                 fut.set_result(after(self.ring.slot_io_finish(part)))
             except BaseException as exc:   # noqa: BLE001
-                # An io_uring_enter failure closes the ring (nothing is left in flight):
-                # the other started parts fail at their own pump, each with its error.
+                # The part has ended (nothing of it is in flight; an io_uring_enter
+                # failure with ops in flight closes the ring, and the other started
+                # parts then fail at their own pump, each with its error).
                 if active and active[0][0] is part:
                     active.popleft()
                 fut.set_exception(exc)

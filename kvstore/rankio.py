@@ -312,6 +312,7 @@ class RankIO:
         self._headers = None   # header memory of caller-memory transfers (read_into/write_from)
         self._pool = None
         self._streams: list[DeviceStream] | None = None
+        self._streams_lock = threading.Lock()   # built once, whichever thread asks first
         self._counters: list[_IOCounters | None] = []
         # bytes this opener moved, per device: [read, written]
         self.io_bytes = np.zeros((self.ndev, 2), dtype=np.int64)
@@ -599,10 +600,16 @@ class RankIO:
         its own thread (or, with one device, by the caller between the stream's parts),
         and the parts of consecutive chunks are started on it before the one ahead of
         them has drained, so its queue stays full across chunk boundaries."""
-        if self._streams is None:
-            self._streams = [DeviceStream(self.rings[d], f"kvstore-dev{d}-r{self.rank}")
-                             for d in range(self.ndev)]
-        return self._streams
+        streams = self._streams
+        if streams is None:
+            with self._streams_lock:
+                # Two threads asking at once (a scan's two ring-op threads) must not build
+                # two sets: two threads would drive one ring.
+                if self._streams is None:
+                    self._streams = [DeviceStream(self.rings[d], f"kvstore-dev{d}-r{self.rank}")
+                                     for d in range(self.ndev)]
+                streams = self._streams
+        return streams
 
     def _fan(self, devs: np.ndarray, call):
         """Run one batch over the devices: `call(d, idx)` moves the ops at positions `idx`
@@ -636,7 +643,8 @@ class RankIO:
                 if d not in failed:
                     futs.append((idx, post(streams[d], d, idx)))
         except BaseException:
-            _Spread(len(devs), dead, futs).result()   # let the posted parts end first
+            for _, fut in futs:     # let the posted parts end first; this error is the one
+                _settle(fut)
             raise
         return _Spread(len(devs), dead, futs)
 
@@ -877,9 +885,13 @@ class RankIO:
 
         Returns one entry per ref: None when the slot is written (and durable), else the
         error. Double-buffered: the next chunk is filled while the previous one is stamped
-        and written by the ring; one fdatasync per touched file at the end.
+        and written by the ring; one fdatasync per touched file at the end. The refs must
+        name distinct slots (consecutive chunks are in flight together, in no order).
         """
         self._check_open()
+        if len({r.slot for r in refs}) != len(refs):
+            raise ValueError("write_blocks: a slot appears twice in one batch (its two writes "
+                             "would race); write one key per slot")
         errors: list[Exception | None] = [None] * len(refs)
         fds_all = np.full(len(refs), -1, dtype=np.int64)
         chunks = list(self._halves(len(refs)))

@@ -236,3 +236,83 @@ def test_batch_loops_start_the_next_chunk_before_the_last_one_drains(tmp_path, n
         assert wrong == [] and max(seen) >= 2, seen
         for ring in rio.rings:
             ring.fault_injector = None
+
+
+def test_a_started_part_in_a_garbage_cycle_waits_for_its_ops(tmp_path):
+    """A part collected as part of a reference cycle: the collector used to clear its ring
+    and keys first, so its batch was freed under the kernel's in-flight ops while the
+    ring still listed it (the next pump crashed)."""
+    import gc
+    f, hb, ring = _setup(tmp_path)
+    try:
+        p = _start(ring, f, hb, 1, list(range(64)), range(64))
+        cycle = [p]
+        cycle.append(cycle)
+        del p, cycle
+        gc.collect()
+        assert ring.active_batches == 0
+        q = _start(ring, f, hb, 1, [1, 2], range(2))
+        res, _ = ring.slot_io_finish(q)
+        assert (res == SLOT).all()
+    finally:
+        ring.close(); f.close(); hb.close()
+
+
+def test_more_parts_than_a_ring_keeps_wait_their_turn(tmp_path):
+    """Callers may post more parts than a ring keeps started (8 batches): the stream
+    starts the rest as earlier ones end, and every part moves."""
+    f, hb, ring = _setup(tmp_path)
+    stream = DeviceStream(ring, "kvstore-dev-test")
+    try:
+        gate = threading.Event()
+        stream.call(lambda: gate.wait(10))
+        futs = [stream.start(lambda i=i: _start(ring, f, hb, 1, list(range(i * 16, i * 16 + 16)),
+                                                range(i * 16, i * 16 + 16)),
+                             lambda out: out[0]) for i in range(12)]
+        time.sleep(0.1)
+        gate.set()
+        assert all((fut.result(10) == SLOT).all() for fut in futs)
+    finally:
+        stream.close()
+        ring.close(); f.close(); hb.close()
+
+
+def test_device_streams_are_built_once_whoever_asks_first(tmp_path):
+    """Two threads asking for the streams at once (a scan's two ring-op threads on a fresh
+    store) built two sets: two threads drove each ring."""
+    from kvstore.engine import DiskStore
+    from kvstore.layout import Layout
+    layout = Layout(model="m", dtype="float16", block_size=16, block_bytes=PAYLOAD, num_layers=1,
+                    num_kv_heads=1, head_dim=8, tp_size=1)
+    dirs = [str(tmp_path / f"d{i}") for i in range(3)]
+    for d in dirs:
+        (tmp_path / d).mkdir()
+    with DiskStore.create(str(tmp_path / "store"), layout, 30 * SLOT, io=True, data_dirs=dirs,
+                          staging_bytes=8 * SLOT) as st:
+        rio = st.ranks[0]
+        barrier = threading.Barrier(8)
+        got = []
+
+        def ask():
+            barrier.wait()
+            got.append(rio._device_streams())
+        threads = [threading.Thread(target=ask) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(g is got[0] for g in got) and len(got[0]) == 3
+        names = [t.name for t in threading.enumerate() if t.name.startswith("kvstore-dev")]
+        assert sorted(names) == ["kvstore-dev0-r0", "kvstore-dev1-r0", "kvstore-dev2-r0"]
+
+
+def test_write_blocks_refuses_a_slot_named_twice(tmp_path):
+    from kvstore.engine import DiskStore, SlotRef
+    from kvstore.layout import Layout
+    layout = Layout(model="m", dtype="float16", block_size=16, block_bytes=PAYLOAD, num_layers=1,
+                    num_kv_heads=1, head_dim=8, tp_size=1)
+    with DiskStore.create(str(tmp_path / "store"), layout, 30 * SLOT, io=True,
+                          staging_bytes=8 * SLOT) as st:
+        refs = [SlotRef(b"a", 3, 1), SlotRef(b"b", 4, 1), SlotRef(b"c", 3, 2)]
+        with pytest.raises(ValueError, match="a slot appears twice"):
+            st.ranks[0].write_blocks(refs, lambda start, stop, views: None)

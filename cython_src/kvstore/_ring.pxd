@@ -80,7 +80,7 @@ cdef class Ring:
         bint _files_registered
         dict _fd_names
         public object fault_injector
-        Batch *_active[8]        # batches with ops queued or in flight, oldest first
+        Batch *_active[MAX_ACTIVE]  # batches with ops queued or in flight, oldest first
         int _nactive
         Py_ssize_t _inflight     # ops in the kernel's hands, over every active batch
         int _wake                # set by another thread (`wake`): a pump returns early

@@ -151,6 +151,7 @@ cdef void _advance_iov(Op *op, size_t n) noexcept nogil:
             n = 0
 
 
+@cython.no_gc_clear   # a started part's __dealloc__ still needs its ring's io_uring
 cdef class Ring:
     """An io_uring with a fixed queue depth, registered buffers/files and batched I/O.
 
@@ -187,6 +188,7 @@ cdef class Ring:
         if self._open:
             warnings.warn("kvstore Ring dropped while open: closing it; call close()",
                           ResourceWarning, stacklevel=1)
+            self._drain()   # no request may outlive the ring
             try:
                 io_uring_queue_exit(self._ring)
             except Exception:
@@ -746,7 +748,8 @@ cdef class Ring:
         try:
             return not self._pump(&part.b, True)
         except BaseException:
-            self._release(&part.b)   # the ring is closed: nothing of it is in flight
+            self._release(&part.b)   # nothing of it is left in flight (or the ring closed)
+            part.ended = True
             raise
 
     def slot_io_finish(self, SlotIOPart part):
@@ -758,6 +761,7 @@ cdef class Ring:
             self._pump(&part.b)
         except BaseException:
             self._release(&part.b)
+            part.ended = True
             raise
         cdef Py_ssize_t i
         cdef cnp.ndarray[int64_t, ndim=1] out = part.out
@@ -773,7 +777,8 @@ cdef class Ring:
         if part.ring is not self:
             raise ValueError("this SlotIOPart was started on another ring")
         if part.ended:
-            raise ValueError("this SlotIOPart has already ended (slot_io_finish)")
+            raise ValueError("this SlotIOPart has already ended (slot_io_finish, or a pump "
+                             "of it raised)")
         if not part.b.active:
             raise KVStoreError("the ring was closed while this SlotIOPart was in flight; "
                                "its slots did not move")
@@ -1032,6 +1037,8 @@ cdef class Ring:
                 f"{' registered' if self._files_registered else ''})")
 
 
+@cython.no_gc_clear   # __dealloc__ needs `ring` and `keys` (cleared first, a cycle's part freed
+                      # its Batch under the kernel's in-flight ops)
 cdef class SlotIOPart:
     """A slot_io batch started on a Ring (`Ring.slot_io_start`) and not yet ended: the
     ring owns its progress, `Ring.slot_io_finish` its results. Dropped unfinished, it
