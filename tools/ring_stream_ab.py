@@ -43,6 +43,8 @@ def main(dirs, size, block_size, queue_depth, chunk, rounds, as_json):
     from kvstore.layout import Layout, parse_size
 
     dirs = [d for d in dirs.split(",") if d]
+    if not dirs:
+        raise click.UsageError("--dir names no directory (give A or A,B,C)")
     for d in dirs:
         if not os.path.isdir(d):
             raise click.UsageError(f"--dir {d}: not a directory (create it first)")

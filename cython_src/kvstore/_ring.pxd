@@ -94,6 +94,7 @@ cdef class Ring:
     cdef void _deactivate(self, Batch *b) noexcept
     cdef int _start(self, Batch *b, int opcode, a_fd, a_off, a_len) except -1
     cdef void _drain(self) noexcept
+    cdef void _wait_idle(self, Batch *b) noexcept
     cdef _check_part(self, SlotIOPart part)
     cdef void _forget(self, Batch *b) noexcept
     cdef void _requeue(self, Batch *b, Py_ssize_t i) noexcept nogil

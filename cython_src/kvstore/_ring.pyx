@@ -595,19 +595,24 @@ cdef class Ring:
         """Submit nothing more and wait (bounded) until the kernel is done with every
         active batch's requests (queue_exit alone would return before in-flight block I/O
         ends, and their memory may be freed or reused); then no batch is active."""
-        cdef int tries = 0
-        cdef int ret, a
-        cdef __io_uring *r = &self._ring.ptr
+        cdef int a
         for a in range(self._nactive):
             self._active[a].qlen = 0
+        self._wait_idle(NULL)
+        while self._nactive > 0:
+            self._deactivate(self._active[0])
+
+    cdef void _wait_idle(self, Batch *b) noexcept:
+        """Wait (bounded) until the kernel holds no op of `b` (NULL: of any batch)."""
+        cdef int tries = 0
+        cdef int ret
+        cdef __io_uring *r = &self._ring.ptr
         with nogil:
-            while self._inflight > 0 and tries < 10000:
+            while (self._inflight if b == NULL else b.inflight) > 0 and tries < 10000:
                 tries += 1
                 ret = kvs_submit_and_wait(r, 1)   # also hands over SQEs already prepared
                 if self._reap() == 0 and ret < 0 and ret != -EINTR:
                     kvs_pause(RETRY_PAUSE_US)    # bounded: 10000 tries of >= 50 us
-        while self._nactive > 0:
-            self._deactivate(self._active[0])
 
     cdef int _init_op(self, Op *op, int opcode, int fd, uint64_t offset) except -1:
         cdef int j
@@ -787,16 +792,8 @@ cdef class Ring:
         """A started part dropped without slot_io_finish: queue nothing more of it, and
         wait until the kernel is done with what it has in flight (its memory is freed
         next)."""
-        cdef int tries = 0
-        cdef int ret
-        cdef __io_uring *r = &self._ring.ptr
         b.qlen = 0
-        with nogil:
-            while b.inflight > 0 and tries < 10000:
-                tries += 1
-                ret = kvs_submit_and_wait(r, 1)
-                if self._reap() == 0 and ret < 0 and ret != -EINTR:
-                    kvs_pause(RETRY_PAUSE_US)
+        self._wait_idle(b)
         if b.inflight > 0:
             self.close()
         self._deactivate(b)
