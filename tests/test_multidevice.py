@@ -345,17 +345,35 @@ def test_fsck_deep_checks_every_device(tmp_path, disks):
         assert st.stats()["used_slots"] == 29
 
 
-def test_bench_io_over_several_dirs(disks):
+@pytest.fixture
+def big_disks(tmp_path):
+    """Three 64 MiB loop-mounted ext4 file systems (a `kv` directory on each): room for a
+    benchmark whose phases last long enough to sample each ring's queue."""
+    mnts = []
+    try:
+        for i in range(3):
+            mnts.append(_loop_ext4(tmp_path, f"nvme{i}", 64))
+            (mnts[-1] / "kv").mkdir()
+        yield [str(m / "kv") for m in mnts]
+    finally:
+        for m in mnts:
+            subprocess.run(["umount", "-l", str(m)], check=False)
+
+
+def test_bench_io_over_several_dirs(big_disks):
     """`kvstore bench io --dir A,B,C --json`: totals and a per_device row per directory,
-    every block read back verified, each ring's queue seen in flight."""
+    every block read back verified, each ring's queue seen in flight (16 MiB, four queue
+    depths, per device: a loop device over the page cache moves that in a few ms, which
+    the 0.5 ms queue sampler sees; 4 MiB per device was over before its first sample)."""
     from click.testing import CliRunner
     from kvstore.cli import main
-    r = CliRunner().invoke(main, ["bench", "io", "--dir", ",".join(disks), "--size", "12M",
+    disks = big_disks
+    r = CliRunner().invoke(main, ["bench", "io", "--dir", ",".join(disks), "--size", "48M",
                                   "--block-size", "128K", "--rounds", "1", "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["config"]["dirs"] == disks
-    assert out["blocks_verified"] == 12 * 8 // 3 * 3
+    assert out["blocks_verified"] == 48 * 8
     rows = out["per_device"]
     assert [x["dir"] for x in rows] == disks
     for x in rows:
