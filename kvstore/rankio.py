@@ -336,6 +336,9 @@ class RankIO:
         self._readonly = readonly
         self.io_errors = np.zeros(self.ndev, dtype=np.int64)   # failed ops per device, ever
         self._markers: dict[int, tuple[int, int]] = {}
+        self._patrols: dict[int, threading.Thread] = {}   # patrol reads running, per device
+        self._patrol_bufs: dict[int, mmap.mmap] = {}
+        self._patrol_lock = threading.Lock()
         tolerate = not readonly and self.ndev > 1
         try:
             dev_files: list[list[SlotFile]] = []
@@ -509,10 +512,16 @@ class RankIO:
             t.join(timeout)
 
     def check_devices(self) -> list[int]:
-        """Look for devices whose data directory went away while serving (an unmounted
-        or replaced device: its `kvstore-data.json` is gone or is another file). Returns
-        the devices found failed now. Cheap (one stat per device); the worker's I/O thread
-        calls it every few seconds."""
+        """Look for devices that failed while serving, traffic or not: a data directory
+        that went away (an unmounted or replaced device: its `kvstore-data.json` is gone
+        or is another file) fails at once; and every healthy device gets a patrol read
+        (`_patrol`: one 4 KiB O_DIRECT read of its first slot header, on a thread of its
+        own, so a hung device never blocks the caller), whose error takes the path of any
+        I/O error (an EIO probes the device, and a failed probe fences it). Without it a
+        device that died while no block of it was asked for stayed "ok" in the metrics
+        until a request happened to touch it. Returns the devices found missing now.
+        Cheap (one stat and one small read per device); the worker's I/O thread calls it
+        every few seconds."""
         out = []
         for d, ident in list(self._markers.items()):
             if d in self.failed:
@@ -523,7 +532,43 @@ class RankIO:
                 if self._fail_device(d, "missing", f"{self.dirs[d]}/kvstore-data.json {what} "
                                      "(device unmounted?)"):
                     out.append(d)
+        if self.ndev > 1 and not self._readonly and self.rings:
+            for d in range(self.ndev):
+                if d in self.failed or int(self._fd_table[d, 0]) < 0:
+                    continue
+                with self._lock_failed:
+                    running = self._patrols.get(d)
+                    if running is not None and running.is_alive():
+                        continue    # the last patrol has not returned (a slow or hung device)
+                    t = threading.Thread(target=self._patrol, args=(d,), daemon=True,
+                                         name=f"kvstore-patrol-dev{d}-r{self.rank}")
+                    self._patrols[d] = t
+                t.start()
         return out
+
+    def _patrol(self, d: int) -> None:
+        """Read device d's first slot header (4 KiB, straight from the device with
+        O_DIRECT; in page-cache mode the cache may answer) into memory of its own, and
+        hand an error to `_note_errors` as a ring op's would be."""
+        buf = self._patrol_bufs.get(d)
+        if buf is None:
+            buf = self._patrol_bufs[d] = mmap.mmap(-1, HEADER_SIZE)   # page-aligned
+        with self._patrol_lock:     # a duplicate of the file's fd: close() may run meanwhile
+            fd = int(self._fd_table[d, 0]) if self.rings else -1
+            if fd < 0:
+                return
+            fd = os.dup(fd)
+        try:
+            n = os.preadv(fd, [buf], 0)
+            res = -errno.EIO if n == 0 else n    # a preallocated slot file has no EOF here
+        except OSError as exc:
+            res = -(exc.errno or errno.EIO)
+        finally:
+            os.close(fd)
+        if res < 0:
+            log.warning("kvstore rank %d: device %d (%s): the patrol read failed: %s", self.rank, d,
+                        self.dirs[d], os.strerror(-res))
+            self._note_errors(d, "patrol read", np.array([res], dtype=np.int64))
 
     @property
     def ring(self):
@@ -546,9 +591,10 @@ class RankIO:
             for stream in self._streams:
                 stream.close()
             self._streams = None
-        for ring in self.rings:
-            ring.close()
-        self.rings = []
+        with self._patrol_lock:   # no patrol duplicates a file's fd while the files close
+            for ring in self.rings:
+                ring.close()
+            self.rings = []
         for c in self._counters:
             if c is not None:
                 c.close()

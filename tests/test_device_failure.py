@@ -341,6 +341,42 @@ def test_unmounted_while_serving_is_found_by_the_marker_check(tmp_path, disks):
         _quiet(h)
 
 
+def test_device_that_dies_idle_is_found_by_the_patrol_read(tmp_path, disks):
+    """A device whose file system dies while no request touches it (ext4 shut down after
+    the stores settled, then only empty steps): the worker's periodic check reads one
+    header from every healthy device, the read fails with EIO, the probe fails, and the
+    device is fenced with no block of it asked for. The other devices stay healthy."""
+    dirs, mnts, _ = disks
+    store = tmp_path / "store"
+    ps = prompts(37, 4, 6 * 16)
+    with _harness(store, dirs) as h:
+        for w in workers(h):
+            w.DEVICE_CHECK_S = 0.05
+        h.run(ps, max_tokens=1)
+        settle(h)
+        s = sched(h)
+        assert _entries_on(s, 2)
+        import time
+        for _ in range(5):          # healthy devices pass their patrols
+            h.step()
+            time.sleep(0.06)
+        assert s.index.fences == {}
+        _ext4_shutdown(mnts[2])
+        deadline = time.monotonic() + 15
+        while 2 not in s.index.fences and time.monotonic() < deadline:
+            h.step()
+            time.sleep(0.02)
+        assert s.index.fences.get(2, ("",))[0] == "io_error", s.index.fences
+        why = [w.io.failed.get(2, "") for w in workers(h)]
+        assert any("patrol read failed with EIO" in x for x in why), why
+        assert set(s.index.fences) == {2}
+        assert _entries_on(s, 2) == []
+        drop_gpu_cache(h)
+        st = h.run(ps, max_tokens=2)
+        assert st["blocks_mismatched"] == 0 and st["blocks_loaded"] > 0
+        _quiet(h)
+
+
 def test_worker_meta_aggregates_failed_devices():
     from kvstore.vllm.metadata import KVStoreWorkerMeta
     a = KVStoreWorkerMeta(failed_devices={1: "io_error: read failed with EIO"})
