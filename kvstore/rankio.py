@@ -339,6 +339,7 @@ class RankIO:
         self._patrols: dict[int, threading.Thread] = {}   # patrol reads running, per device
         self._patrol_bufs: dict[int, mmap.mmap] = {}
         self._patrol_lock = threading.Lock()
+        self._patrol_failing: set[int] = set()            # devices whose last patrol failed
         tolerate = not readonly and self.ndev > 1
         try:
             dev_files: list[list[SlotFile]] = []
@@ -548,27 +549,53 @@ class RankIO:
 
     def _patrol(self, d: int) -> None:
         """Read device d's first slot header (4 KiB, straight from the device with
-        O_DIRECT; in page-cache mode the cache may answer) into memory of its own, and
-        hand an error to `_note_errors` as a ring op's would be."""
-        buf = self._patrol_bufs.get(d)
-        if buf is None:
-            buf = self._patrol_bufs[d] = mmap.mmap(-1, HEADER_SIZE)   # page-aligned
-        with self._patrol_lock:     # a duplicate of the file's fd: close() may run meanwhile
-            fd = int(self._fd_table[d, 0]) if self.rings else -1
-            if fd < 0:
-                return
-            fd = os.dup(fd)
+        O_DIRECT; in page-cache mode the cache may answer) into memory of its own.
+
+        A device errno other than EIO (ENODEV, ENXIO, EROFS, ESHUTDOWN) fails the device
+        at once, as a ring op's would. An EIO only asks for a probe (at most one a
+        second), which decides: the patrol rereads the same sector every check, so one
+        bad sector there must not add up to the EIO limit and fence a device whose other
+        blocks serve. Errors are logged and counted once per run of failing patrols."""
         try:
-            n = os.preadv(fd, [buf], 0)
-            res = -errno.EIO if n == 0 else n    # a preallocated slot file has no EOF here
-        except OSError as exc:
-            res = -(exc.errno or errno.EIO)
-        finally:
-            os.close(fd)
-        if res < 0:
-            log.warning("kvstore rank %d: device %d (%s): the patrol read failed: %s", self.rank, d,
-                        self.dirs[d], os.strerror(-res))
-            self._note_errors(d, "patrol read", np.array([res], dtype=np.int64))
+            buf = self._patrol_bufs.get(d)
+            if buf is None:
+                buf = self._patrol_bufs[d] = mmap.mmap(-1, HEADER_SIZE)   # page-aligned
+            with self._patrol_lock:     # a duplicate of the fd: close() may run meanwhile
+                fd = int(self._fd_table[d, 0]) if self.rings else -1
+                if fd < 0:
+                    return
+                fd = os.dup(fd)
+            try:
+                n = os.preadv(fd, [buf], 0)
+                err = errno.EIO if n == 0 else 0    # a preallocated slot file has no EOF here
+            except OSError as exc:
+                err = exc.errno or errno.EIO
+            finally:
+                os.close(fd)
+            with self._patrol_lock:     # close() closes the counters under it
+                if not self.rings:
+                    return
+                failing = d in self._patrol_failing
+                if not err:
+                    if failing:
+                        self._patrol_failing.discard(d)
+                        log.info("kvstore rank %d: device %d (%s): the patrol read succeeds again",
+                                 self.rank, d, self.dirs[d])
+                    return
+                if not failing:
+                    self._patrol_failing.add(d)
+                    log.warning("kvstore rank %d: device %d (%s): the patrol read of its first slot "
+                                "failed: %s", self.rank, d, self.dirs[d], os.strerror(err))
+                    self.io_errors[d] += 1
+                    if (c := self._counter(d)) is not None:
+                        c.add_errors(1)
+            if err in DEVICE_ERRNOS and err != errno.EIO:
+                self._fail_device(d, device_fault_reason(err), f"patrol read failed with "
+                                  f"{errno.errorcode.get(err, err)} ({os.strerror(err)})")
+            elif err == errno.EIO:
+                self._probe_soon(d, "patrol read")
+        except Exception as exc:    # never a traceback every few seconds from a helper thread
+            log.warning("kvstore rank %d: patrol of device %d failed: %s", self.rank, d, exc)
 
     @property
     def ring(self):
@@ -591,14 +618,14 @@ class RankIO:
             for stream in self._streams:
                 stream.close()
             self._streams = None
-        with self._patrol_lock:   # no patrol duplicates a file's fd while the files close
+        with self._patrol_lock:   # no patrol dups a file's fd or counts an error meanwhile
             for ring in self.rings:
                 ring.close()
             self.rings = []
-        for c in self._counters:
-            if c is not None:
-                c.close()
-        self._counters = []
+            for c in self._counters:
+                if c is not None:
+                    c.close()
+            self._counters = []
         for f in self.files:
             f.close()
         self.files = []

@@ -180,3 +180,84 @@ def test_fsck_repair_leaves_the_empty_mount_point_of_a_single_data_dir_alone(tmp
             assert all(st.lookup(k) is not None for k in ks)
     finally:
         subprocess.run(["umount", "-l", mnt], check=False)
+
+
+def _patrol_store(tmp_path):
+    from test_multidevice import LAYOUT1, SLOT
+    from kvstore.engine import DiskStore
+    dirs = [str(tmp_path / f"dev{i}") for i in range(3)]
+    for d in dirs:
+        os.mkdir(d)
+    return DiskStore.create(str(tmp_path / "store"), LAYOUT1, 30 * SLOT, data_dirs=dirs, io=True,
+                            staging_bytes=1 << 20)
+
+
+def _patrol(rio, d):
+    rio._patrol(d)
+    rio.wait_probes()
+
+
+def test_patrol_eio_on_one_bad_sector_never_fences_a_healthy_device(tmp_path, monkeypatch, caplog):
+    """The patrol rereads one sector every check: an EIO there forever (a bad sector) is
+    one counted error and probes that pass, never the EIO limit and a fence."""
+    import errno as _errno
+    import kvstore.rankio as rankio
+    with _patrol_store(tmp_path) as st:
+        rio = st.ranks[0]
+        real = os.preadv
+        bad_fd = {}
+
+        def preadv(fd, bufs, off):
+            if os.fstat(fd).st_ino == bad_fd.get("ino"):
+                raise OSError(_errno.EIO, "Input/output error")
+            return real(fd, bufs, off)
+        bad_fd["ino"] = os.fstat(int(rio._fd_table[1, 0])).st_ino
+        monkeypatch.setattr(rankio.os, "preadv", preadv)
+        monkeypatch.setattr(rankio, "PROBE_EVERY_S", 0.0)
+        for _ in range(3 * rio.eio_limit):
+            _patrol(rio, 1)
+        assert rio.failed == {}
+        assert int(rio.io_errors[1]) == 1          # one run of failing patrols, one error
+        assert sum("patrol read of its first slot failed" in r.getMessage() for r in caplog.records) == 1
+        _patrol(rio, 0)                              # other devices read fine
+        assert int(rio.io_errors[0]) == 0
+        bad_fd["ino"] = None                         # the sector reads again
+        _patrol(rio, 1)
+        assert 1 not in rio._patrol_failing
+
+
+def test_patrol_eio_then_failed_probe_fences_and_enxio_fences_at_once(tmp_path, monkeypatch):
+    import errno as _errno
+    import kvstore.engine as engine
+    import kvstore.rankio as rankio
+    with _patrol_store(tmp_path) as st:
+        rio = st.ranks[0]
+        real = os.preadv
+        errs = {int(rio._fd_table[1, 0]): _errno.EIO, int(rio._fd_table[2, 0]): _errno.ENXIO}
+        inos = {os.fstat(fd).st_ino: e for fd, e in errs.items()}
+
+        def preadv(fd, bufs, off):
+            e = inos.get(os.fstat(fd).st_ino)
+            if e:
+                raise OSError(e, os.strerror(e))
+            return real(fd, bufs, off)
+        monkeypatch.setattr(rankio.os, "preadv", preadv)
+        monkeypatch.setattr(engine, "probe_data_dir", lambda *a, **k: ("io_error", "probe write: EIO"))
+        _patrol(rio, 2)
+        assert rio.failed[2].startswith("io_error: patrol read failed with ENXIO")
+        _patrol(rio, 1)
+        assert rio.failed[1].startswith("io_error: patrol read failed with EIO, then the device's probe failed")
+        assert 0 not in rio.failed
+        rio.check_devices()                          # failed devices get no more patrols
+        assert set(rio._patrols) <= {0, 1, 2}
+        for t in list(rio._patrols.values()):
+            t.join(5)
+        assert 0 not in rio.failed
+
+
+def test_patrol_after_close_does_nothing(tmp_path):
+    st = _patrol_store(tmp_path)
+    rio = st.ranks[0]
+    st.close()
+    rio._patrol(1)          # no fd, no counters: returns quietly
+    assert rio.failed == {}

@@ -190,7 +190,7 @@ class KVStoreWorker:
 
     # -- the I/O thread --------------------------------------------------------------
     MAX_LOAD_BATCH = 64   # requests whose loads share one ring pass
-    DEVICE_CHECK_S = 2.0  # how often the I/O thread looks for a vanished data directory
+    DEVICE_CHECK_S = 2.0  # how often the I/O thread checks the devices (markers, patrol reads)
 
     def _run(self) -> None:
         try:
@@ -201,8 +201,9 @@ class KVStoreWorker:
         next_check = time.monotonic() + self.DEVICE_CHECK_S
         while True:
             if self.io.ndev > 1:
-                # A device unmounted while serving: its marker is gone (checked every few
-                # seconds, between jobs; I/O errors are caught as they happen).
+                # Every few seconds, between jobs: a device unmounted while serving (its
+                # marker is gone), and a patrol read of each healthy device (one that died
+                # while no job touched it); I/O errors are caught as they happen.
                 now = time.monotonic()
                 if now >= next_check:
                     next_check = now + self.DEVICE_CHECK_S
