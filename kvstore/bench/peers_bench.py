@@ -181,7 +181,8 @@ class KVStoreSystem:
         slot = self.layout.slot_size
         self.staging_slots = max(1, ctx.staging_bytes // slot)
         # Room for the bulk blocks plus a few background batches: background stores evict
-        # LRU blocks, never the hot prefix (touched on every load, pinned while it loads).
+        # LRU blocks, never the hot prefix (touched before every background store and on
+        # every load, pinned while it loads).
         capacity = (ctx.nblocks + 4 * self.staging_slots + ctx.prefix) * slot
         self.path = os.path.join(ctx.directory, f"kvstore-peers-{ctx.block}")
         # Several directories: one store striped over all of them (a data directory on each,
