@@ -67,19 +67,35 @@ def server(tmp_path_factory):
     assert code == 0 and doc["findings"] == [], doc
 
 
-def test_fsck_deep_while_serving_reports_no_false_corruption(server):
+def test_fsck_deep_while_serving_reports_no_false_corruption(server, monkeypatch):
     """fsck reads the index from one snapshot while the server keeps evicting and
     rewriting slots; a slot that changed under it is re-checked against the live index,
     never reported as damage."""
+    from kvstore.tools import fsck as fsck_mod
     from kvstore.tools.fsck import fsck
+    # The race needs the server to rewrite a slot between fsck's snapshot and its read of
+    # that slot. Left to chance it sometimes never happened on a slow machine (391 checks,
+    # none raced); after 20 unraced checks, an in-process check waits, between snapshot
+    # and reads, until the server has stored another batch (it evicts to do so: a store
+    # far smaller than the workload), so the window holds rewrites.
+    wait = {"on": False}
+    read_slots = fsck_mod._Check.read_slots
+
+    def read_slots_late(self, *a, **kw):
+        if wait["on"]:
+            wait["on"] = False          # once per check (read_slots runs once per rank)
+            server.wait_progress(1)
+        return read_slots(self, *a, **kw)
+    monkeypatch.setattr(fsck_mod._Check, "read_slots", read_slots_late)
     changed = checked = 0
     t0 = time.monotonic()
     runs = 0
-    while runs < 40 or (changed == 0 and time.monotonic() - t0 < 30):
+    while runs < 40 or (changed == 0 and time.monotonic() - t0 < 60):
         if runs % 10 == 0:            # as an operator runs it, in its own process
             code, doc = fsck_json(server.store, "--deep")
             stats, findings = doc["stats"], doc["findings"]
         else:
+            wait["on"] = changed == 0 and runs >= 20
             rep = fsck(str(server.store), deep=True)
             code, stats, findings = rep.exit_code, rep.stats, [f.to_json() for f in rep.findings]
         assert code == 0 and findings == [], (runs, findings[:4])

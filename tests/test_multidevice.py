@@ -378,8 +378,11 @@ def test_bench_io_over_several_dirs(big_disks):
     assert [x["dir"] for x in rows] == disks
     for x in rows:
         assert x["write_gbps"] > 0 and x["read_gbps"] > 0
-        assert x["queue_occupancy"] > 0
+        assert 0 <= x["write_queue_occupancy"] <= 32 and 0 <= x["read_queue_occupancy"] <= 32
         assert x["fio_read_gbps"] > 0 and x["threads_read_gbps"] > 0
+    # the sampler saw ops in flight (a sample needs the GIL, which the phase's fill and
+    # drain callbacks hold at times: asked of all rings and phases together, not each)
+    assert sum(x["write_queue_occupancy"] + x["read_queue_occupancy"] for x in rows) > 0
     tot = out["results"]["kvstore"]["read_gbps"]
     assert abs(sum(x["read_gbps"] for x in rows) - tot) < 1e-6 * max(1.0, tot) + 1e-9
     for d in disks:      # nothing left behind

@@ -179,7 +179,9 @@ class Fio:
                              capture_output=True, text=True, check=True)
         job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
         part = job["write" if rw == "write" else "read"]
-        return part["io_bytes"] / (part["runtime"] / 1000.0) if part["runtime"] else float("nan")
+        # fio reports whole milliseconds: 0 is a run under 1 ms, counted as 1 ms (a lower
+        # bound on its rate, never nan)
+        return part["io_bytes"] / (max(1, part["runtime"]) / 1000.0)
 
     def write(self):
         return self._run("write")
@@ -321,7 +323,8 @@ class QueueSampler:
         self._thread.join()
 
     def mean(self):
-        return [s / self.n if self.n else float("nan") for s in self.sums]
+        # (never nan: the first sample is taken at once, before the phase's work)
+        return [s / self.n if self.n else 0.0 for s in self.sums]
 
 
 class MultiDirThreads:
@@ -383,7 +386,7 @@ class MultiDirFio:
         out = subprocess.run(args, capture_output=True, text=True, check=True)
         self.jobs = jobs = json.loads(out.stdout[out.stdout.index("{"):])["jobs"]
         parts = [j["write" if rw == "write" else "read"] for j in jobs]
-        secs = max(p["runtime"] for p in parts) / 1000.0
+        secs = max(1, max(p["runtime"] for p in parts)) / 1000.0   # whole ms: 0 is under 1 ms
         self.dev_bytes = [p["io_bytes"] for p in parts]
         if not secs:
             return float("nan")

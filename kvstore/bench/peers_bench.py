@@ -659,7 +659,9 @@ class FioCPU(Fio):
         job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
         self.cpu_s += (job["usr_cpu"] + job["sys_cpu"]) / 100.0 * job["job_runtime"] / 1000.0
         part = job["write" if rw == "write" else "read"]
-        return part["io_bytes"] / (part["runtime"] / 1000.0) if part["runtime"] else float("nan")
+        # fio reports whole milliseconds: 0 is a run under 1 ms, counted as 1 ms (a lower
+        # bound on its rate, never nan)
+        return part["io_bytes"] / (max(1, part["runtime"]) / 1000.0)
 
 
 # --------------------------------------------------------------------------- driver
