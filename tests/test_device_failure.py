@@ -313,6 +313,18 @@ def test_restart_with_a_device_missing_then_read_only_then_back(tmp_path, disks)
     assert fsck(str(store), deep=True).exit_code == 0
 
 
+def _steps_until_fenced(h, dev: int, timeout: float = 15.0) -> tuple:
+    """Empty engine steps (they carry the workers' reports) until the scheduler fenced
+    device `dev` or `timeout` passed; returns its fence ((reason, time), or ("",))."""
+    import time
+    s = sched(h)
+    deadline = time.monotonic() + timeout
+    while dev not in s.index.fences and time.monotonic() < deadline:
+        h.step()
+        time.sleep(0.02)
+    return s.index.fences.get(dev, ("",))
+
+
 def test_unmounted_while_serving_is_found_by_the_marker_check(tmp_path, disks):
     """`umount -l` while serving: the open files keep working, but the data directory is
     gone (another device may be mounted there next): the worker's periodic marker check
@@ -326,13 +338,8 @@ def test_unmounted_while_serving_is_found_by_the_marker_check(tmp_path, disks):
         h.run(ps, max_tokens=1)
         settle(h)
         subprocess.run(["umount", "-l", mnts[0]], check=True)
-        import time
-        deadline = time.monotonic() + 10
         s = sched(h)
-        while 0 not in s.index.fences and time.monotonic() < deadline:
-            h.step()
-            time.sleep(0.02)
-        assert s.index.fences.get(0, ("",))[0] == "missing"
+        assert _steps_until_fenced(h, 0, 10)[0] == "missing"
         settle(h)
         assert _entries_on(s, 0) == []
         drop_gpu_cache(h)
@@ -362,11 +369,7 @@ def test_device_that_dies_idle_is_found_by_the_patrol_read(tmp_path, disks):
             time.sleep(0.06)
         assert s.index.fences == {}
         _ext4_shutdown(mnts[2])
-        deadline = time.monotonic() + 15
-        while 2 not in s.index.fences and time.monotonic() < deadline:
-            h.step()
-            time.sleep(0.02)
-        assert s.index.fences.get(2, ("",))[0] == "io_error", s.index.fences
+        assert _steps_until_fenced(h, 2)[0] == "io_error", s.index.fences
         why = [w.io.failed.get(2, "") for w in workers(h)]
         assert any("patrol read failed with EIO" in x for x in why), why
         assert set(s.index.fences) == {2}

@@ -34,10 +34,14 @@ def _loop_ext4(tmp_path, name: str, mib: int):
 def disks(tmp_path):
     """Three real, small ext4 file systems on loop devices (24 MiB each), each with an
     empty data directory `kv` (as an operator makes /mnt/nvmeN/kv)."""
+    yield from _three_disks(tmp_path, 24)
+
+
+def _three_disks(tmp_path, mib: int):
     mnts = []
     try:
         for i in range(3):
-            mnts.append(_loop_ext4(tmp_path, f"nvme{i}", 24))
+            mnts.append(_loop_ext4(tmp_path, f"nvme{i}", mib))
             (mnts[-1] / "kv").mkdir()
         yield [str(m / "kv") for m in mnts]
     finally:
@@ -349,15 +353,7 @@ def test_fsck_deep_checks_every_device(tmp_path, disks):
 def big_disks(tmp_path):
     """Three 64 MiB loop-mounted ext4 file systems (a `kv` directory on each): room for a
     benchmark whose phases last long enough to sample each ring's queue."""
-    mnts = []
-    try:
-        for i in range(3):
-            mnts.append(_loop_ext4(tmp_path, f"nvme{i}", 64))
-            (mnts[-1] / "kv").mkdir()
-        yield [str(m / "kv") for m in mnts]
-    finally:
-        for m in mnts:
-            subprocess.run(["umount", "-l", str(m)], check=False)
+    yield from _three_disks(tmp_path, 64)
 
 
 def test_bench_io_over_several_dirs(big_disks):

@@ -57,15 +57,19 @@ def copy_store(src, dst) -> str:
     return str(dst)
 
 
-def wait_stored(server: VLLMServer, timeout: float = 30.0) -> None:
-    """Until the server's stores are committed (its stored-blocks counter stops moving)."""
-    last, t0 = None, time.monotonic()
+def wait_stored(server: VLLMServer, timeout: float = 60.0, above: float = 0.0) -> float:
+    """Until the server's stores are committed: its stored-blocks counter is past `above`
+    and has not moved for two seconds (three equal samples: one still-running write and
+    fsync on a loaded machine outlasted one). Returns the count; raises on timeout."""
+    seen, t0 = [], time.monotonic()
     while time.monotonic() - t0 < timeout:
         n = server.metrics().get("vllm:kvstore_stored_blocks_total", 0.0)
-        if n == last and n > 0:
-            return
-        last = n
+        seen.append(n)
+        if n > above and len(seen) >= 3 and seen[-3] == seen[-2] == n:
+            return n
         time.sleep(1.0)
+    raise AssertionError(f"the server's stored blocks did not settle past {above:g} in {timeout:g} s "
+                         f"(samples {seen[-5:]})")
 
 
 def assert_same(ref: list[Completion], got: list[Completion], workload: Workload) -> None:
