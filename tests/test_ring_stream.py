@@ -215,7 +215,13 @@ def test_batch_loops_start_the_next_chunk_before_the_last_one_drains(tmp_path, n
                 stream.call(lambda g=g: g.wait(10))
 
             def release():
-                time.sleep(0.3)
+                # once chunks 0 and 1 both wait on every held thread (not after a fixed
+                # pause: a fast disk or a slow caller made that a race)
+                streams = rio._device_streams()
+                deadline = time.monotonic() + 10
+                while (min(len(st._items) for st in streams) < 2
+                       and time.monotonic() < deadline):
+                    time.sleep(0.005)
                 for g in gates:
                     g.set()
             threading.Thread(target=release, daemon=True).start()
