@@ -57,10 +57,12 @@ def copy_store(src, dst) -> str:
     return str(dst)
 
 
-def wait_stored(server: VLLMServer, timeout: float = 60.0, above: float = 0.0) -> float:
+def wait_stored(server: VLLMServer, timeout: float = 30.0, above: float = 0.0) -> float:
     """Until the server's stores are committed: its stored-blocks counter is past `above`
     and has not moved for two seconds (three equal samples: one still-running write and
-    fsync on a loaded machine outlasted one). Returns the count; raises on timeout."""
+    fsync on a loaded machine outlasted one). Returns the last count, also after
+    `timeout` (a run that stored nothing new, all hits, is not an error: the caller
+    asserts what it expects of the count)."""
     seen, t0 = [], time.monotonic()
     while time.monotonic() - t0 < timeout:
         n = server.metrics().get("vllm:kvstore_stored_blocks_total", 0.0)
@@ -68,8 +70,7 @@ def wait_stored(server: VLLMServer, timeout: float = 60.0, above: float = 0.0) -
         if n > above and len(seen) >= 3 and seen[-3] == seen[-2] == n:
             return n
         time.sleep(1.0)
-    raise AssertionError(f"the server's stored blocks did not settle past {above:g} in {timeout:g} s "
-                         f"(samples {seen[-5:]})")
+    return seen[-1] if seen else 0.0
 
 
 def assert_same(ref: list[Completion], got: list[Completion], workload: Workload) -> None:
