@@ -517,8 +517,8 @@ class RankIO:
         that went away (an unmounted or replaced device: its `kvstore-data.json` is gone
         or is another file) fails at once; and every healthy device gets a patrol read
         (`_patrol`: one 4 KiB O_DIRECT read of its first slot header, on a thread of its
-        own, so a hung device never blocks the caller), whose error takes the path of any
-        I/O error (an EIO probes the device, and a failed probe fences it). Without it a
+        own, so a hung device never blocks the caller): a device errno fences at once, an
+        EIO asks for a probe, which fences the device if it fails. Without it a
         device that died while no block of it was asked for stayed "ok" in the metrics
         until a request happened to touch it. Returns the devices found missing now.
         Cheap (one stat and one small read per device); the worker's I/O thread calls it

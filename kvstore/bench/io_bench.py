@@ -177,7 +177,7 @@ class Fio:
         out = subprocess.run(["fio", f"--name={rw}", f"--rw={rw}", *self.args,
                               *(["--end_fsync=1"] if rw == "write" else [])],
                              capture_output=True, text=True, check=True)
-        job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
+        self.job = job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
         part = job["write" if rw == "write" else "read"]
         # fio reports whole milliseconds: 0 is a run under 1 ms, counted as 1 ms (a lower
         # bound on its rate, never nan)
@@ -388,8 +388,6 @@ class MultiDirFio:
         parts = [j["write" if rw == "write" else "read"] for j in jobs]
         secs = max(1, max(p["runtime"] for p in parts)) / 1000.0   # whole ms: 0 is under 1 ms
         self.dev_bytes = [p["io_bytes"] for p in parts]
-        if not secs:
-            return float("nan")
         self.dev_gbps[rw] = [b / secs / 1e9 for b in self.dev_bytes]
         return sum(self.dev_bytes) / secs
 

@@ -65,7 +65,6 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -653,15 +652,10 @@ class FioCPU(Fio):
         self.cpu_s = 0.0
 
     def _run(self, rw):
-        out = subprocess.run(["fio", f"--name={rw}", f"--rw={rw}", *self.args,
-                              *(["--end_fsync=1"] if rw == "write" else [])],
-                             capture_output=True, text=True, check=True)
-        job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
+        rate = super()._run(rw)
+        job = self.job
         self.cpu_s += (job["usr_cpu"] + job["sys_cpu"]) / 100.0 * job["job_runtime"] / 1000.0
-        part = job["write" if rw == "write" else "read"]
-        # fio reports whole milliseconds: 0 is a run under 1 ms, counted as 1 ms (a lower
-        # bound on its rate, never nan)
-        return part["io_bytes"] / (max(1, part["runtime"]) / 1000.0)
+        return rate
 
 
 # --------------------------------------------------------------------------- driver
