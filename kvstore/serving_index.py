@@ -74,7 +74,8 @@ class IndexEvent:
     tag: object = None              # the caller's tag of a commit (its store job)
     items: list = field(default_factory=list)    # committed: (key, slot, generation) now hits;
     #                                              announce: the events to publish
-    keys: list = field(default_factory=list)     # evicted/dropped: keys that left the index
+    keys: list = field(default_factory=list)     # evicted/dropped: keys that left the index;
+    #                                              committed: every key of the job, in order
     failed: int = 0                 # committed: blocks not committed (stale or write error)
     error: Exception | None = None  # error: what failed (the step thread logs it once)
     what: str = ""
@@ -86,6 +87,11 @@ def _packed(hit: tuple, packed: bool) -> tuple:
     if not packed:
         return hit
     return None, array.array("I", hit[1]), array.array("Q", hit[2])
+
+
+def _all_keys(keys: list, packed: tuple | None) -> list:
+    """`keys`, then the keys of `packed` = (vLLM hashes, (group, count) runs), if any."""
+    return keys + make_keys(*packed) if packed else keys
 
 
 def _split_failed(keys, slots, gens, failed) -> tuple[list[tuple], list[tuple]]:
@@ -319,13 +325,19 @@ class ServingIndex:
         return bytes(out)
 
     def plan_new(self, hashes: list, start: int, stop: int, block_ids: list, skip: set,
-                 limit: int, group: int = 0) -> tuple[list[bytes], list[int], list[int]]:
+                 limit: int, group: int = 0, packed: bool = False
+                 ) -> tuple[list[bytes], list[int], list[int]]:
         """(keys, block ids, block indices) of blocks start..stop not stored yet and not
-        in `skip` (keys being stored), at most `limit`; their keys join `skip`."""
+        in `skip` (keys being stored), at most `limit`; their keys join `skip`. With
+        `packed` (skip a `KeySet`): the planned blocks' vLLM hashes instead of keys (their
+        keys are hash + group, made where they are needed: `make_keys`)."""
         if not self._ready:
-            return self._plan_new_lmdb(hashes, start, stop, block_ids, skip, limit, group)
+            keys, bids, idx = self._plan_new_lmdb(hashes, start, stop, block_ids, skip,
+                                                  limit, group)
+            return ([hashes[i] for i in idx] if packed else keys), bids, idx
         with self._lock:
-            return self._table.plan_new(hashes, start, stop, block_ids, skip, limit, group)
+            return self._table.plan_new(hashes, start, stop, block_ids, skip, limit, group,
+                                        packed)
 
     # The same walks over LMDB (while the table is built; the synchronous baseline).
     def _present_lmdb(self, hashes, start, stop, group):
@@ -377,14 +389,18 @@ class ServingIndex:
         with self._lock:
             return self._table.pins_dict()
 
-    def take(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
+    def take(self, keys: Sequence[bytes], packed: tuple | None = None
+             ) -> tuple[list[int], list[int]]:
         """(slots, generations): a reserved slot for each of keys, in order, from the pool;
-        fewer (for a prefix of keys) when the pool runs short. The index thread refills it."""
+        fewer (for a prefix of keys) when the pool runs short. The index thread refills it.
+        `packed` = (hashes, group runs): more blocks after `keys`, as `StoreJob` has them
+        (only counted here: no key is made)."""
+        want = len(keys) + (len(packed[0]) if packed else 0)
         with self._pool_lock:
-            n = min(len(keys), len(self._pool_slots))
+            n = min(want, len(self._pool_slots))
             slots, gens = self._pool_slots[:n], self._pool_gens[:n]
             del self._pool_slots[:n], self._pool_gens[:n]
-        if keys:    # taken from, or dry (pins may have gone since): the index thread refills
+        if want:    # taken from, or dry (pins may have gone since): the index thread refills
             self._ops.put(("refill",))
         return slots, gens
 
@@ -395,11 +411,14 @@ class ServingIndex:
         self._queued += 1
         self._ops.put(("commit", list(good), list(bad), tag))
 
-    def commit_blocks(self, keys: list, slots: list, gens: list, failed=(), tag=None) -> None:
+    def commit_blocks(self, keys: list, slots: list, gens: list, failed=(), tag=None,
+                      packed: tuple | None = None) -> None:
         """commit() of parallel lists, block indices in `failed` aborted: the (key, slot,
-        generation) tuples are made on the index thread, not the step thread."""
+        generation) tuples are made on the index thread, not the step thread. `packed` =
+        (hashes, group runs): more blocks after `keys`, whose keys the index thread makes
+        too. The "committed" event's `keys` are every block's key, in order."""
         self._queued += 1
-        self._ops.put(("commit_blocks", keys, slots, gens, failed, tag))
+        self._ops.put(("commit_blocks", keys, slots, gens, failed, tag, packed))
 
     def abort(self, items: Sequence[tuple]) -> None:
         """Queue: give (key, slot, generation) reservations back."""
@@ -626,7 +645,8 @@ class ServingIndex:
                     if kind == "commit":
                         self._commit(op[1], op[2], op[3])
                     elif kind == "commit_blocks":
-                        self._commit(*_split_failed(op[1], op[2], op[3], op[4]), op[5])
+                        keys = _all_keys(op[1], op[6])
+                        self._commit(*_split_failed(keys, op[2], op[3], op[4]), op[5], keys)
                     elif kind == "abort":
                         self.index.abort(op[1])
                     elif kind == "drop":
@@ -723,7 +743,8 @@ class ServingIndex:
             if len(got) < n:
                 return      # everything left is pinned or reserved: try again later
 
-    def _commit(self, good: list[tuple], bad: list[tuple], tag) -> None:
+    def _commit(self, good: list[tuple], bad: list[tuple], tag, keys: list = ()) -> None:
+        """Abort bad, commit good; post the "committed" event (its `keys`: `keys`)."""
         failed = len(bad)
         try:
             if bad:
@@ -749,7 +770,8 @@ class ServingIndex:
         except Exception as exc:
             # The index cannot be written (disk full...): the store is dropped and its
             # reservations are given back when the index can be written again.
-            self._post(IndexEvent("committed", tag=tag, failed=len(good) + len(bad), error=exc))
+            self._post(IndexEvent("committed", tag=tag, failed=len(good) + len(bad), error=exc,
+                                  keys=list(keys)))
             self._retry_abort(good + bad)
             return
         finally:
@@ -758,7 +780,7 @@ class ServingIndex:
             self._gauges = self._read_gauges()  # the step that takes the event sees them
         except KVStoreError:
             pass
-        self._post(IndexEvent("committed", tag=tag, items=live, failed=failed))
+        self._post(IndexEvent("committed", tag=tag, items=live, failed=failed, keys=list(keys)))
 
     def _retry_abort(self, items: list[tuple]) -> None:
         try:
@@ -913,12 +935,13 @@ class SyncServingIndex(ServingIndex):
     def present(self, hashes, start, stop, group=0):
         return self._present_lmdb(hashes, start, stop, group)
 
-    def plan_new(self, hashes, start, stop, block_ids, skip, limit, group=0):
-        return self._plan_new_lmdb(hashes, start, stop, block_ids, skip, limit, group)
+    def plan_new(self, hashes, start, stop, block_ids, skip, limit, group=0, packed=False):
+        keys, bids, idx = self._plan_new_lmdb(hashes, start, stop, block_ids, skip, limit, group)
+        return ([hashes[i] for i in idx] if packed else keys), bids, idx
 
-    def take(self, keys):
+    def take(self, keys, packed=None):
         try:
-            items, evicted = self.index.reserve(list(keys), self._pins.keys())
+            items, evicted = self.index.reserve(_all_keys(list(keys), packed), self._pins.keys())
         except StoreFull:
             return [], []
         if evicted:
@@ -929,8 +952,10 @@ class SyncServingIndex(ServingIndex):
         self._queued += 1
         self._commit(list(good), list(bad), tag)
 
-    def commit_blocks(self, keys, slots, gens, failed=(), tag=None):
-        self.commit(*_split_failed(keys, slots, gens, failed), tag)
+    def commit_blocks(self, keys, slots, gens, failed=(), tag=None, packed=None):
+        keys = _all_keys(keys, packed)
+        self._queued += 1
+        self._commit(*_split_failed(keys, slots, gens, failed), tag, keys)
 
     def _retry_abort(self, items):
         try:

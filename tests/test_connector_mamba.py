@@ -346,6 +346,8 @@ def test_hand_offs_are_read_in_build_connector_meta_and_filtered(tmp_path):
         key = _keys(h, p, SSM)[7]
         assert key in s._storing_keys                      # planned from the hand-off
         from vllm.v1.core.sched.output import KVConnectorBlockState
+
+        from kvstore.vllm.scheduler import _Plan
         blocks = KVConnectorBlockState(req_ids={rid}, resolve_block_ids=lambda r: (),
                                        boundary_state_offloads=offloads)
         s._storing_keys.discard(key)        # as if not planned: only the filters decide
@@ -354,10 +356,11 @@ def test_hand_offs_are_read_in_build_connector_meta_and_filtered(tmp_path):
                                (dict(finished_req_ids={rid}), []),
                                ({}, [key])):
                 out = dataclasses.replace(so, kv_connector_block_state=blocks, **gone)
-                keys, bids, origins = [], [], []
-                s._plan_boundary_states(out, 16, keys, bids, origins)
-                assert keys == want, gone
-                assert bids == ([block_id] if want else [])
+                plan = _Plan()
+                s._plan_boundary_states(out, 16, plan)
+                assert plan.keys == want, gone
+                assert plan.bids == ([block_id] if want else [])
+                assert not plan.hashes      # a state's key is made when planned
         finally:
             s._storing_keys.add(key)        # the real store job still holds it
         h.drain()

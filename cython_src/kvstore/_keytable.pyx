@@ -950,14 +950,17 @@ cdef class KeyTable:
         return bytes(out)
 
     def plan_new(self, list hashes, Py_ssize_t start, Py_ssize_t stop, list block_ids,
-                 object skip, Py_ssize_t limit, uint32_t group=0):
+                 object skip, Py_ssize_t limit, uint32_t group=0, bint packed=False):
         """Blocks start..stop of `hashes` to store: (keys, block ids, block indices) of
         those whose key is neither in the table (already stored) nor in `skip` (being
         stored: a `KeySet`, probed by the fingerprint the walk already has, or a set);
         at most `limit` of them. Their keys are added to `skip` (the caller removes the
         ones it does not keep). `block_ids` holds ints or vLLM's
         `KVCacheBlock` objects (the request's block list as vLLM keeps it: only the
-        planned blocks' `block_id` is read, no id list of the whole request is made)."""
+        planned blocks' `block_id` is read, no id list of the whole request is made).
+        With `packed` (and a `KeySet` skip), the first list holds the planned blocks'
+        vLLM hashes (the objects of `hashes`) instead of keys: no Python object is made
+        per block; their keys are `make_keys(those, [(group, len)])`."""
         cdef list keys = [], bids = [], idx = []
         cdef uint64_t fps[BATCH]
         cdef uint32_t fp2s[BATCH]
@@ -966,6 +969,8 @@ cdef class KeyTable:
         cdef Py_ssize_t b, e, j
         cdef object key, bid
         cdef KeySet fast = skip if type(skip) is KeySet else None
+        if packed and fast is None:
+            raise TypeError("plan_new(packed=True) needs a KeySet of the keys being stored")
         if start < 0:
             start = 0
         if stop > len(hashes):
@@ -986,7 +991,10 @@ cdef class KeyTable:
                     if fast is not None:
                         if fast._has(fps[j], fp2s[j]):
                             continue
-                        key = PyBytes_FromStringAndSize(<char *>buf[j], lens[j])
+                        if packed:
+                            key = hashes[b + j]
+                        else:
+                            key = PyBytes_FromStringAndSize(<char *>buf[j], lens[j])
                         bid = block_ids[b + j]
                         bids.append(bid if PyLong_Check(bid) else bid.block_id)
                         fast._add(fps[j], fp2s[j])
@@ -1001,7 +1009,8 @@ cdef class KeyTable:
                     idx.append(b + j)
                 b = e
         except BaseException:
-            skip.difference_update(keys)    # nothing planned: no key stays claimed
+            # nothing planned: no key stays claimed
+            skip.difference_update(make_keys(keys, [(group, len(keys))]) if packed else keys)
             raise
         return keys, bids, idx
 

@@ -37,11 +37,28 @@ def load_keys(job: LoadJob) -> list[bytes]:
 
 @dataclass
 class StoreJob:
+    """One step's store. Its blocks are `keys` (keys made when planned: lazy stores and
+    Mamba states), then `hashes` (vLLM block hashes of the eager stores, keyed by the
+    (group id, blocks) runs of `groups`: their keys are made off the step thread, by the
+    worker's I/O thread and the index thread); `block_ids`, `slots` and `generations`
+    follow that order (`store_keys`)."""
     job_id: int
     block_ids: list[int]       # GPU blocks to copy out (this step's forward wrote them)
     keys: list[bytes]
     slots: list[int]
     generations: list[int]
+    hashes: list[bytes] = field(default_factory=list)
+    groups: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def packed(self) -> tuple | None:
+        """(hashes, groups), or None: the blocks after `keys` as `make_keys` takes them."""
+        return (self.hashes, self.groups) if self.hashes else None
+
+
+def store_keys(job: StoreJob) -> list[bytes]:
+    """The store key of every block of `job`, in order."""
+    return job.keys + make_keys(job.hashes, job.groups) if job.hashes else job.keys
 
 
 @dataclass

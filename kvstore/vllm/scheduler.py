@@ -19,7 +19,7 @@ from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys)
 
 from kvstore.engine import DiskStore, ensure_store
-from kvstore._keytable import KeySet, SeenFilter
+from kvstore._keytable import KeySet, SeenFilter, make_keys
 from kvstore.errors import KVStoreError
 from kvstore.serving_index import ServingIndex, SyncServingIndex
 from kvstore.vllm.config import ConnectorConfig, block_key
@@ -33,15 +33,21 @@ MEDIUM = "STORAGE"
 @dataclass
 class InflightStore:
     """A store job between planning and its commit: reported by `ranks` ranks so far.
-    Blocks are parallel lists (no object per block: a step stores hundreds of them)."""
+    Blocks are parallel lists (no object per block: a step stores hundreds of them):
+    `keys`, then the blocks of `packed` (vLLM hashes and (group, count) runs, as in
+    `StoreJob`; their keys are made by the index thread)."""
     keys: list[bytes]
     slots: list[int]
     generations: list[int]
     origins: list                   # (token ids, parent hash) per block, for BlockStored events
     started: float
+    packed: tuple | None = None
     ranks: int = 0
     failed: set[int] = field(default_factory=set)   # block indices, from any rank
     reset: bool = False             # reset_cache ran meanwhile: nothing is committed
+
+    def all_keys(self) -> list[bytes]:
+        return self.keys + make_keys(*self.packed) if self.packed else self.keys
 
 
 class KVStoreScheduler:
@@ -302,12 +308,12 @@ class KVStoreScheduler:
                          slots)
         self._stats.add(hit_tokens=n * self.block_size)
 
-    def _plan_eager_hybrid(self, scheduler_output, limit: int, keys: list, bids: list,
-                           origins: list, spans: list) -> None:
+    def _plan_eager_hybrid(self, scheduler_output, limit: int, plan: "_Plan") -> None:
         """_plan_eager for several groups: every group's completed blocks (a sliding-
         window group's table starts with null blocks once the window has moved on: they
         are skipped), keyed with the group id."""
         bs = self.block_size
+        new_ids = _new_block_ids(scheduler_output)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self._requests.get(req_id)
             if req is None or n <= 0:
@@ -315,7 +321,8 @@ class KVStoreScheduler:
             done_after = req.num_computed_tokens + n
             nfull = min(done_after // bs, len(req.block_hashes))
             ups = self._stored_upto_g.setdefault(req_id, [0] * len(self.group_kinds))
-            tables = self._kv_cache_manager.get_block_ids(req_id)
+            # a new request's block ids as vLLM made them for this step's output
+            tables = new_ids.get(req_id) or self._kv_cache_manager.get_block_ids(req_id)
             for g, (kind, _) in enumerate(self.group_kinds):
                 if kind == "mamba":     # stored from vLLM's boundary hand-offs only
                     continue
@@ -326,23 +333,13 @@ class KVStoreScheduler:
                 stop = min(nfull, len(ids))
                 while first < stop and ids[first] == 0:     # null: outside the window
                     first += 1
-                room = limit - len(keys)
+                room = limit - plan.count
                 if stop <= first or room <= 0:
                     ups[g] = max(ups[g], first) if room > 0 else ups[g]
                     continue
-                k, b, idx = self.index.plan_new(req.block_hashes, first, stop, ids,
-                                                self._storing_keys, room, g)
-                ups[g] = idx[-1] + 1 if len(k) == room else stop
-                if self._admission is not None:     # first sightings are left out
-                    k, b, idx = self._admission.admit(k, b, idx, self._storing_keys)
-                spans.append((req_id, len(keys), idx))
-                keys += k
-                bids += b
-                if self.events_enabled:
-                    origins += [self._origin(req, i) for i in idx]
+                ups[g] = self._plan_range(plan, req_id, req, first, stop, ids, room, g)
 
-    def _plan_boundary_states(self, scheduler_output, limit: int, keys: list, bids: list,
-                              origins: list) -> None:
+    def _plan_boundary_states(self, scheduler_output, limit: int, plan: "_Plan") -> None:
         """Mamba stores: the exact state blocks vLLM hands off this step
         (`kv_connector_block_state.boundary_state_offloads`, {req: [(group, block id,
         boundary tokens)]}; vLLM clears it after build_connector_meta). This step's
@@ -366,6 +363,7 @@ class KVStoreScheduler:
         pool = self._block_pool
         bs = self.block_size
         storing, contains = self._storing_keys, self.index.contains
+        keys, bids, origins = plan.keys, plan.bids, plan.origins
         for req_id, entries in offloads.items():
             req = self._requests.get(req_id)
             if req is None or req_id in gone:
@@ -422,15 +420,15 @@ class KVStoreScheduler:
         self._stats.add(hit_tokens=n * self.block_size)
 
     # -- stores ----------------------------------------------------------------------
-    def _plan_eager(self, scheduler_output, limit: int, keys: list, bids: list,
-                    origins: list, spans: list) -> None:
-        """Append to keys, bids (GPU block ids) and origins the blocks this step's forward
-        completes that are neither stored nor being stored, `limit` at most; their keys
-        join `_storing_keys`. spans gets (request id, offset in keys, block indices) per
-        request. The per-block walk is C (`ServingIndex.plan_new`)."""
+    def _plan_eager(self, scheduler_output, limit: int, plan: "_Plan") -> None:
+        """Add to `plan` the blocks this step's forward completes that are neither stored
+        nor being stored, `limit` at most; their keys join `_storing_keys`. The per-block
+        walk is C (`ServingIndex.plan_new`), and makes no Python object per block: the
+        plan carries vLLM's hashes (`_plan_range`)."""
         if self._kv_cache_manager is None:
             return
         bs = self.block_size
+        new_ids = _new_block_ids(scheduler_output)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self._requests.get(req_id)
             if req is None or n <= 0:
@@ -442,25 +440,45 @@ class KVStoreScheduler:
                 first = req.num_computed_tokens // bs
             if nfull <= first:
                 continue
-            room = limit - len(keys)
+            room = limit - plan.count
             if room <= 0:
                 break
-            # vLLM's own block list (KVCacheBlock objects): the C walk reads the block id
-            # of the planned blocks only, not a list of ids of the whole request.
-            blocks = self._kv_cache_manager.get_blocks(req_id).blocks[0]
+            # A new request's block ids as vLLM made them for this step's output (ints it
+            # just made: warm); else vLLM's own block list (KVCacheBlock objects): the C
+            # walk reads the block id of the planned blocks only.
+            ids = new_ids.get(req_id)
+            if ids is not None:
+                blocks = ids[0]
+            else:
+                blocks = self._kv_cache_manager.get_blocks(req_id).blocks[0]
             if not isinstance(blocks, list):
                 blocks = list(blocks)
-            k, b, idx = self.index.plan_new(req.block_hashes, first, nfull, blocks,
-                                            self._storing_keys, room)
-            # A walk the limit cut short resumes after its last block in a later step.
-            self._stored_upto[req_id] = idx[-1] + 1 if len(k) == room else nfull
-            if self._admission is not None:     # first sightings are left out
-                k, b, idx = self._admission.admit(k, b, idx, self._storing_keys)
-            spans.append((req_id, len(keys), idx))
-            keys += k
-            bids += b
-            if self.events_enabled:
-                origins += [self._origin(req, i) for i in idx]
+            self._stored_upto[req_id] = self._plan_range(plan, req_id, req, first, nfull,
+                                                         blocks, room, 0)
+
+    def _plan_range(self, plan: "_Plan", req_id: str, req, first: int, stop: int, blocks: list,
+                    room: int, g: int) -> int:
+        """One walk of `plan_new` over blocks first..stop of req (group g), `room` at most:
+        packed into `plan` (vLLM's hashes and a group run: no key made), or as keys when
+        second-sight admission filters them. Returns the request's store cursor: a walk
+        the limit cut short resumes after its last block in a later step."""
+        adm = self._admission
+        k, b, idx = self.index.plan_new(req.block_hashes, first, stop, blocks,
+                                        self._storing_keys, room, g, adm is None)
+        cursor = idx[-1] + 1 if len(idx) == room else stop
+        if adm is not None:     # first sightings are left out
+            k, b, idx = adm.admit(k, b, idx, self._storing_keys)
+        if not idx:
+            return cursor
+        plan.spans.append((req_id, idx))
+        if adm is None:
+            plan.add_packed(k, b, g)
+        else:
+            plan.keys += k
+            plan.bids += b
+        if self.events_enabled:
+            plan.origins += [self._origin(req, i) for i in idx]
+        return cursor
 
     def _origin(self, req, i: int) -> tuple:
         """What block i of req's BlockStored event carries besides its hash, as vLLM's
@@ -520,53 +538,50 @@ class KVStoreScheduler:
 
     def _plan_stores(self, scheduler_output) -> list[StoreJob]:
         limit = self.cfg.max_store_blocks_per_step
-        keys: list[bytes] = []
-        bids: list[int] = []
-        origins: list = []
-        spans: list = []
+        plan = _Plan()
         try:
             if self.has_mamba:      # every policy: the hand-offs are this step's only
-                self._plan_boundary_states(scheduler_output, limit, keys, bids, origins)
+                self._plan_boundary_states(scheduler_output, limit, plan)
             if self.cfg.store_policy == "eager" and self.hybrid:
                 if self._kv_cache_manager is not None:
-                    self._plan_eager_hybrid(scheduler_output, limit, keys, bids, origins, spans)
+                    self._plan_eager_hybrid(scheduler_output, limit, plan)
             elif self.cfg.store_policy == "eager":
-                self._plan_eager(scheduler_output, limit, keys, bids, origins, spans)
+                self._plan_eager(scheduler_output, limit, plan)
             else:
-                self._plan_lazy(limit, keys, bids)
+                self._plan_lazy(limit, plan.keys, plan.bids)
             if self._admission is not None:
                 rejected = self._admission.take_rejected()
                 if rejected:
                     self._stats.add(admission_rejected_blocks=rejected)
-            if not keys:
+            total = plan.count
+            if not total:
                 return []
             if not self.events_enabled:
-                origins = [None] * len(keys)
+                plan.origins = [None] * total
             # Slots from the index thread's pool (already reserved, victims already
             # evicted): a prefix of the blocks when the pool runs short.
-            slots, gens = self.index.take(keys)
+            slots, gens = self.index.take(plan.keys, plan.packed)
         except Exception as exc:    # never raises into the engine: nothing is stored
             self._warn_once("store planning", exc)
-            self._stats.add(store_dropped_blocks=len(keys))
-            self._storing_keys.difference_update(keys)
+            self._stats.add(store_dropped_blocks=plan.count)
+            self._storing_keys.difference_update(plan.cut(0))
             if not self.hybrid:
-                for req_id, _, idx in spans:    # planned again next step
-                    if idx:
-                        self._stored_upto[req_id] = min(self._stored_upto.get(req_id, 0), idx[0])
+                for req_id, idx in plan.spans:    # planned again next step
+                    self._stored_upto[req_id] = min(self._stored_upto.get(req_id, 0), idx[0])
             return []
         n = len(slots)
-        if n < len(keys):
-            self._stats.add(store_dropped_blocks=len(keys) - n)
+        if n < total:
+            self._stats.add(store_dropped_blocks=total - n)
             # The pool ran short (the index thread is behind): the rest is dropped, not
             # retried at later steps (a backlog would grow every step's walk).
-            self._storing_keys.difference_update(keys[n:])
-            keys, bids, origins = keys[:n], bids[:n], origins[:n]
+            self._storing_keys.difference_update(plan.cut(n))
         if not n:
             return []
-        job = StoreJob(self._job_id(), bids, keys, slots, gens)
+        job = StoreJob(self._job_id(), plan.bids + plan.pbids, plan.keys, slots, gens,
+                       plan.hashes, plan.groups)
         self._inflight_stores[job.job_id] = InflightStore(
-            keys=keys, slots=slots, generations=gens, origins=origins,
-            started=time.monotonic())
+            keys=plan.keys, slots=slots, generations=gens, origins=plan.origins,
+            started=time.monotonic(), packed=job.packed)
         return [job]
 
     def build_connector_meta(self, scheduler_output) -> KVStoreMetadata:
@@ -647,10 +662,12 @@ class KVStoreScheduler:
         is the index thread's; the keys stay in `_storing_keys` until it is applied."""
         del self._inflight_stores[job_id]
         self._committing += 1
-        if st.reset:
+        if st.reset:    # (rare: the keys are made here)
+            st.keys, st.packed = st.all_keys(), None
             self.index.commit([], list(zip(st.keys, st.slots, st.generations)), tag=st)
-        else:
-            self.index.commit_blocks(st.keys, st.slots, st.generations, st.failed, tag=st)
+        else:   # the keys of st.packed are made by the index thread
+            self.index.commit_blocks(st.keys, st.slots, st.generations, st.failed, tag=st,
+                                     packed=st.packed)
 
     def _index_events(self) -> None:
         """Outcomes of the index thread: commits applied, entries evicted or dropped."""
@@ -658,7 +675,8 @@ class KVStoreScheduler:
             if ev.kind == "committed":
                 st = ev.tag
                 self._committing -= 1
-                self._storing_keys.difference_update(st.keys)
+                keys = ev.keys or st.keys   # every key of the job (made by the index thread)
+                self._storing_keys.difference_update(keys)
                 if ev.error is not None:
                     # The index cannot be written (e.g. the disk is full): the store is
                     # dropped; its reservations are given back when the index can be.
@@ -667,7 +685,7 @@ class KVStoreScheduler:
                 if not st.reset:
                     self._stats.add(stored_blocks=len(ev.items), store_dropped_blocks=ev.failed)
                 if ev.items and self.events_enabled:
-                    self._emit_stored(ev.items, st)
+                    self._emit_stored(ev.items, st, keys)
             elif ev.kind == "evicted":
                 self._stats.add(evicted_blocks=len(ev.keys))
                 self._emit_removed(ev.keys)
@@ -685,8 +703,8 @@ class KVStoreScheduler:
             self._events.append(BlockRemoved(
                 block_hashes=[maybe_convert_block_hash(k[:-4]) for k in keys], medium=MEDIUM))
 
-    def _emit_stored(self, good, st: InflightStore) -> None:
-        origin_of = dict(zip(st.keys, st.origins))
+    def _emit_stored(self, good, st: InflightStore, keys: list[bytes]) -> None:
+        origin_of = dict(zip(keys, st.origins))
         bs = self.block_size
         for key, _slot, _gen in good:
             # Lazy stores come from vLLM's free queue, which keeps no tokens: their
@@ -781,7 +799,7 @@ class KVStoreScheduler:
     def shutdown(self) -> None:
         try:
             abandoned = [x for st in self._inflight_stores.values()
-                         for x in zip(st.keys, st.slots, st.generations)]
+                         for x in zip(st.all_keys(), st.slots, st.generations)]
             if abandoned and not self.store.closed:
                 self.index.abort(abandoned)
             self.index.close()      # applies queued commits, gives the pool back
@@ -817,3 +835,77 @@ def _window_end(flags: bytes, start: int, end: int, window: int) -> int:
         if runs[e - start] >= min(window, e - start):
             return e
     return start
+
+
+class _Plan:
+    """A step's store plan while it is built: blocks whose keys were made (`keys`,
+    `bids`: lazy stores, Mamba states, second-sight admission), then packed blocks
+    (vLLM hashes, (group, count) runs, `pbids`: eager stores, no key made); `origins`
+    of all of them in that order; `spans` (request id, block indices) per eager walk."""
+    __slots__ = ("keys", "bids", "hashes", "groups", "pbids", "origins", "spans")
+
+    def __init__(self):
+        self.keys: list[bytes] = []
+        self.bids: list[int] = []
+        self.hashes: list[bytes] = []
+        self.groups: list[tuple[int, int]] = []
+        self.pbids: list[int] = []
+        self.origins: list = []
+        self.spans: list = []
+
+    @property
+    def count(self) -> int:
+        return len(self.keys) + len(self.hashes)
+
+    @property
+    def packed(self) -> tuple | None:
+        return (self.hashes, self.groups) if self.hashes else None
+
+    def add_packed(self, hashes: list, bids: list, g: int) -> None:
+        self.hashes += hashes
+        self.pbids += bids
+        if self.groups and self.groups[-1][0] == g:
+            self.groups[-1] = (g, self.groups[-1][1] + len(hashes))
+        else:
+            self.groups.append((g, len(hashes)))
+
+    def cut(self, n: int) -> list[bytes]:
+        """Keep the first n blocks; returns the keys of the others (made here: a pool
+        that ran short or a failed plan, not the common path)."""
+        nk = len(self.keys)
+        if n <= nk:
+            dropped = self.keys[n:] + (make_keys(self.hashes, self.groups) if self.hashes else [])
+            del self.keys[n:], self.bids[n:]
+            self.hashes, self.groups, self.pbids = [], [], []
+        else:
+            m = n - nk
+            head, tail = _split_runs(self.groups, m)
+            dropped = make_keys(self.hashes[m:], tail)
+            del self.hashes[m:], self.pbids[m:]
+            self.groups = head
+        del self.origins[n:]
+        return dropped
+
+
+def _split_runs(runs: list[tuple[int, int]], m: int) -> tuple[list, list]:
+    """(group, count) runs covering blocks 0..m, and those covering the rest."""
+    head, tail = [], []
+    for g, c in runs:
+        if m >= c:
+            head.append((g, c))
+        elif m > 0:
+            head.append((g, m))
+            tail.append((g, c - m))
+        else:
+            tail.append((g, c))
+        m = max(0, m - c)
+    return head, tail
+
+
+def _new_block_ids(scheduler_output) -> dict:
+    """{request id: block ids per KV cache group} of the requests new in this step's
+    output: vLLM made these int lists for its workers (`NewRequestData.block_ids`, the
+    whole block table), so the store walk reads them instead of vLLM's cold
+    `KVCacheBlock` objects or a second `get_block_ids`."""
+    return {r.req_id: r.block_ids for r in getattr(scheduler_output, "scheduled_new_reqs", ()) or ()
+            if getattr(r, "block_ids", None)}

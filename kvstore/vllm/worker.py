@@ -26,7 +26,7 @@ from kvstore.rankio import RankIO, SlotRef
 from kvstore.transfer import KVTransfer, check_groups_alias
 from kvstore.vllm.config import ConnectorConfig, carrier_group
 from kvstore.vllm.metadata import (KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob, StoreReport,
-                                    load_keys)
+                                   load_keys, store_keys)
 from kvstore.vllm.metrics import DEVICE_ERRORS, DEVICE_READ, DEVICE_WRITTEN, KVStoreStats
 
 log = logging.getLogger("kvstore.vllm.worker")
@@ -268,22 +268,36 @@ class KVStoreWorker:
                     self._outstanding -= 1
 
     def _do_store(self, job: StoreJob, stage: list[int], ticket: int, dropped: list[int]) -> None:
-        refs = [SlotRef(k, s, g) for k, s, g in zip(job.keys, job.slots, job.generations)]
-        refs = refs[:len(stage)]
+        refs: list = []
+        try:
+            # The keys of the eager stores are made here, on the I/O thread (the scheduler
+            # sends vLLM's hashes); a job whose keys cannot be made fails alone.
+            keys = store_keys(job)
+            if not len(keys) == len(job.slots) == len(job.generations) == len(job.block_ids):
+                raise ValueError(f"store job {job.job_id}: {len(keys)} keys, {len(job.slots)} "
+                                 f"slots, {len(job.generations)} generations, "
+                                 f"{len(job.block_ids)} blocks")
+            refs = [SlotRef(k, s, g) for k, s, g in zip(keys, job.slots, job.generations)]
+            refs = refs[:len(stage)]
+            malformed = None
+        except Exception as exc:
+            malformed = exc
         try:
             # The copy into staging must be complete before the slot is written (and
             # before staging goes back to the free list).
             self.transfer.wait(ticket)
+            if malformed is not None:
+                raise malformed
             errors = self.io.write_staged(refs, stage, durable=self.cfg.durability == "fdatasync")
         except Exception as exc:
-            errors = [exc] * len(refs)
+            errors = [exc] * len(stage)
         finally:
             self.slots.give(stage)
         failed = [i for i, e in enumerate(errors) if e is not None]
         if failed:
             log.warning("kvstore rank %d: %d of %d block writes failed (first: %s); they are "
-                        "not committed", self.rank, len(failed), len(refs), errors[failed[0]])
-        self._add_stats(stored_bytes=(len(refs) - len(failed)) * self.io.payload_len)
+                        "not committed", self.rank, len(failed), len(errors), errors[failed[0]])
+        self._add_stats(stored_bytes=(len(errors) - len(failed)) * self.io.payload_len)
         self._report_store(job.job_id, failed + dropped)
 
     def _report_store(self, job_id: int, failed: list[int]) -> None:

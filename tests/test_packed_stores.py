@@ -1,0 +1,124 @@
+"""Eager stores are planned packed (issue 14): the scheduler's walk makes no key per block.
+The store job carries vLLM's block hashes and (group, blocks) runs; the worker's I/O
+thread and the index thread make the keys. Real KeyTable, real vLLM scheduler, real store."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from connector_util import conn_stats, keys_of, kv_harness, prompts, sched, settle, workers
+from kvstore._keytable import KeySet, KeyTable, make_keys
+from kvstore.vllm.metadata import StoreJob, store_keys
+from kvstore.vllm.scheduler import _Plan, _split_runs
+
+BS = 16
+
+
+def test_plan_new_packed_hands_back_vllms_hash_objects_and_claims_their_fingerprints():
+    hashes = [os.urandom(32) for _ in range(300)]
+    a, b = KeyTable(1000), KeyTable(1000)
+    for t in (a, b):
+        for i in range(0, 300, 4):              # every fourth block is stored already
+            t.put(hashes[i] + (3).to_bytes(4, "big"), i, 1)
+    sa, sb = KeySet(), KeySet()
+    got, bids, idx = a.plan_new(hashes, 10, 250, list(range(1000, 1300)), sa, 100, 3, True)
+    keys, bids2, idx2 = b.plan_new(hashes, 10, 250, list(range(1000, 1300)), sb, 100, 3)
+    assert (bids, idx) == (bids2, idx2) and len(idx) == 100
+    assert all(h is hashes[i] for h, i in zip(got, idx))     # vLLM's objects, no copy
+    assert make_keys(got, [(3, len(got))]) == keys
+    assert len(sa) == 100 and all(k in sa for k in keys)     # claimed as being stored
+    # a second walk plans nothing of what the first one claimed
+    again, _, idx3 = a.plan_new(hashes, 10, 250, list(range(1000, 1300)), sa, 1000, 3, True)
+    assert not set(idx3) & set(idx)
+    with pytest.raises(TypeError, match="KeySet"):
+        a.plan_new(hashes, 0, 10, list(range(10)), set(), 10, 0, True)
+
+
+def test_a_plan_cut_keeps_a_prefix_and_gives_back_the_keys_of_the_rest():
+    hashes = [os.urandom(32) for _ in range(7)]
+    made = [b"k" * 36, b"m" * 36]
+    full_keys = made + make_keys(hashes[:3], [(0, 3)]) + make_keys(hashes[3:], [(2, 4)])
+    for n in range(0, 10):
+        p = _Plan()
+        p.keys += made
+        p.bids += [1, 2]
+        p.add_packed(hashes[:2], [3, 4], 0)
+        p.add_packed(hashes[2:3], [5], 0)         # same group: one run
+        p.add_packed(hashes[3:], [6, 7, 8, 9], 2)
+        assert p.groups == [(0, 3), (2, 4)] and p.count == 9
+        p.origins = list(range(9))
+        dropped = p.cut(n)
+        kept = p.keys + (make_keys(*p.packed) if p.packed else [])
+        assert kept == full_keys[:n] and dropped == full_keys[n:], n
+        assert p.bids + p.pbids == list(range(1, 10))[:n] and p.origins == list(range(9))[:n]
+    assert _split_runs([(0, 3), (2, 4)], 5) == ([(0, 3), (2, 2)], [(2, 2)])
+    assert _split_runs([(0, 3)], 0) == ([], [(0, 3)])
+
+
+def test_an_eager_store_job_carries_hashes_and_the_block_ids_vllm_made(tmp_path):
+    """Through vLLM's real scheduler: a new request's store job has no keys, vLLM's own
+    hash objects, one group run, and the block ids of vLLM's NewRequestData; what the
+    workers write under the keys made from them is a hit after the commit."""
+    p = prompts(71, 1, 6 * BS + 5)[0]
+    with kv_harness(tmp_path / "store") as h:
+        s = sched(h)
+        seen = []
+        orig = s.build_connector_meta
+
+        def spy(so):
+            meta = orig(so)
+            if meta.stores:
+                seen.append((so, meta.stores, {r: list(q.block_hashes) for r, q in s._requests.items()}))
+            return meta
+        s.build_connector_meta = spy
+        rid = h.add_request(p, max_tokens=1)
+        h.step()
+        (so, (job,), hashes), = seen
+        assert job.keys == [] and job.groups == [(0, 6)]
+        assert all(a is b for a, b in zip(job.hashes, hashes[rid][:6]))
+        new = {r.req_id: r for r in so.scheduled_new_reqs}
+        assert job.block_ids == list(new[rid].block_ids[0][:6])
+        assert store_keys(job) == keys_of(h, p)[:6]
+        assert all(k in s._storing_keys for k in keys_of(h, p)[:6])
+        settle(h)
+        assert not s._storing_keys and not s._inflight_stores
+        assert [s.store.lookup(k) is not None for k in keys_of(h, p)] == [True] * 6
+
+
+def test_a_store_job_whose_keys_cannot_be_made_fails_alone(tmp_path):
+    """A job whose group runs do not cover its hashes (malformed metadata): the worker
+    writes none of it and reports every block failed; the scheduler gives the slots back
+    and the next request's store is written as usual."""
+    a, b = prompts(72, 2, 4 * BS + 3)
+    with kv_harness(tmp_path / "store") as h:
+        s = sched(h)
+        orig = s.build_connector_meta
+        broken = []
+
+        def spy(so):
+            meta = orig(so)
+            for job in meta.stores:
+                if not broken:      # the worker's copy only: the scheduler keeps its own
+                    job.groups = [(0, len(job.hashes) - 1)]
+                    broken.append(job.job_id)
+            return meta
+        s.build_connector_meta = spy
+        h.run([a], max_tokens=1)
+        settle(h)
+        assert broken and [s.store.lookup(k) for k in keys_of(h, a)] == [None] * 4
+        st = conn_stats(h)
+        assert st.get("stored_blocks", 0) == 0 and st["store_dropped_blocks"] == 4
+        h.run([b], max_tokens=1)
+        settle(h)
+        assert all(s.store.lookup(k) is not None for k in keys_of(h, b))
+        assert conn_stats(h)["stored_blocks"] == 4
+        assert not s._storing_keys and s.store.stats()["reserved_slots"] == len(s.index.pooled())
+        assert all(w.slots.free == w.slots.total for w in workers(h))
+
+
+def test_store_keys_of_a_job_with_made_keys_and_packed_blocks():
+    hashes = [os.urandom(32) for _ in range(3)]
+    job = StoreJob(1, [7, 8, 9, 10], [b"x" * 36], [1, 2, 3, 4], [1, 1, 1, 1], hashes, [(5, 3)])
+    assert store_keys(job) == [b"x" * 36] + [h + (5).to_bytes(4, "big") for h in hashes]
+    assert StoreJob(2, [1], [b"y" * 36], [1], [1]).packed is None
