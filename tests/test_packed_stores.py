@@ -122,3 +122,23 @@ def test_store_keys_of_a_job_with_made_keys_and_packed_blocks():
     job = StoreJob(1, [7, 8, 9, 10], [b"x" * 36], [1, 2, 3, 4], [1, 1, 1, 1], hashes, [(5, 3)])
     assert store_keys(job) == [b"x" * 36] + [h + (5).to_bytes(4, "big") for h in hashes]
     assert StoreJob(2, [1], [b"y" * 36], [1], [1]).packed is None
+
+
+@pytest.mark.parametrize("index_thread", [True, False])
+def test_packed_stores_are_hits_after_a_restart_on_both_index_designs(tmp_path, index_thread):
+    """Stored packed, committed (by the index thread, or on the step thread with
+    `index_thread: false`, the synchronous baseline the bench compares), and after a
+    restart every block loads and matches."""
+    ps = prompts(73, 3, 5 * BS + 7)
+    extra = {"index_thread": index_thread}
+    with kv_harness(tmp_path / "store", extra=extra) as h:
+        h.run(ps, max_tokens=1)
+        settle(h)
+        assert conn_stats(h)["stored_blocks"] == 15
+    with kv_harness(tmp_path / "store", extra=extra) as h:
+        before = dict(h.stats)
+        h.run(ps, max_tokens=1)
+        settle(h)
+        st = h.stats
+        assert st["blocks_loaded"] - before["blocks_loaded"] == 15
+        assert st["blocks_mismatched"] == 0, h.mismatches
