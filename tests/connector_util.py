@@ -48,26 +48,40 @@ _GATES: list = []
 
 class Gate:
     """A Ring fault injector that holds every `op` batch ("read", "write", "fdatasync")
-    on the I/O thread until `open()` (at most 3 s, less than a worker's shutdown wait).
-    kv_harness opens every gate on exit, so a failing test cannot leave one shut."""
+    on the I/O thread until `open()`. kv_harness opens every gate on exit (also when the
+    test fails) before it shuts the workers down, so a worker's shutdown, which waits for
+    its I/O thread, never waits for a gate. The hold has no timing role in a test: a gate
+    stays shut until the test opens it, however slow the machine (HOLD_S is only a last
+    resort that frees an I/O thread held by a gate no kv_harness opens: far longer than
+    any test waits for anything, so no test can see it expire)."""
+
+    HOLD_S = 600.0
 
     def __init__(self, op: str):
         self.op = op
-        self.hits = 0
+        self.hits = 0          # batches that reached the gate
+        self.held = 0          # of those, batches held there right now
+        self.expired = 0       # batches let through by HOLD_S instead of open()
         self._ev = threading.Event()
         _GATES.append(self)
 
     def __call__(self, op, fds, offs, lens):
         if op == self.op:
             self.hits += 1
-            self._ev.wait(3)
+            self.held += 1
+            try:
+                if not self._ev.wait(self.HOLD_S):
+                    self.expired += 1
+            finally:
+                self.held -= 1
         return []
 
     def open(self) -> None:
         self._ev.set()
 
-    def wait_hit(self, timeout: float = 3.0) -> None:
-        """Until the I/O thread reached the gate."""
+    def wait_hit(self, timeout: float = 60.0) -> None:
+        """Until the I/O thread reached the gate (returns as soon as it did; the timeout
+        only bounds a hang)."""
         deadline = time.monotonic() + timeout
         while not self.hits and time.monotonic() < deadline:
             time.sleep(0.002)

@@ -42,7 +42,23 @@ class Subscriber:
         self.dec = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.events: list = []
 
-    def pump(self, until=None, timeout_s: float = 20.0) -> list:
+    def join(self, h, timeout_s: float = 60.0) -> None:
+        """Until the SUB socket receives what the harness's publisher sends (ZMQ's slow
+        joiner: a PUB drops what it sends before the subscription reached it). Probes are
+        empty batches through vLLM's own publisher, sent until one arrives; they carry no
+        event. The timeout only bounds a hang: this returns at the first probe received."""
+        from vllm.distributed.kv_events import KVEventBatch
+        pub = h.scheduler.kv_event_publisher
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            pub.publish(KVEventBatch(ts=time.time(), events=[]))
+            if self.sock.poll(100):
+                _topic, _seq, payload = self.sock.recv_multipart()
+                self.events.extend(self.dec.decode(payload).events)
+                return
+        raise AssertionError(f"the subscriber received nothing from the publisher in {timeout_s}s")
+
+    def pump(self, until=None, timeout_s: float = 60.0) -> list:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if until is not None and until(self.events):
@@ -72,7 +88,7 @@ def test_stored_events_carry_what_vllm_gpu_events_carry(tmp_path, endpoint):
     ps = prompts(61, 2, 70)
     try:
         with kv_harness(tmp_path / "store", kv_events=_zmq_events(endpoint)) as h:
-            time.sleep(0.3)         # the SUB socket joins before the first batch
+            sub.join(h)             # the SUB socket joined before the first batch
             h.run(ps, max_tokens=1, cache_salt="tenant-a")
             settle(h)
             want = {event_hash(k) for p in ps for k in keys_of(h, p, "tenant-a")}
@@ -119,14 +135,14 @@ def test_restart_announces_every_stored_block_to_a_subscriber(tmp_path, endpoint
     sub = Subscriber(endpoint)
     try:
         with kv_harness(store, kv_events=_zmq_events(endpoint)) as h:
-            time.sleep(0.3)
+            sub.join(h)
             sched(h).index.wait_ready(30)
             # Announcements go out with the steps of whatever the engine serves next.
             h.run(prompts(63, 1, 40), max_tokens=1)
             settle(h)
             announced = lambda ev: on_disk <= {x for e in ev if type(e).__name__ == "BlockStored"  # noqa: E731
                                                and e.medium == "STORAGE" for x in e.block_hashes}
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 60     # bounds a hang; ends when announced
             while not announced(sub.pump(timeout_s=0.5)) and time.monotonic() < deadline:
                 h.run(prompts(int(time.monotonic() * 1000) % 10**6, 1, 20), max_tokens=1)
             assert not sched(h).index.announcing
@@ -143,7 +159,7 @@ def test_evictions_and_drops_are_removed_events(tmp_path, endpoint):
     try:
         with kv_harness(tmp_path / "store", kv_events=_zmq_events(endpoint),
                         extra={"capacity": 12 * SLOT, "slot_pool": 4}) as h:
-            time.sleep(0.3)
+            sub.join(h)
             for p in (a, b, c):         # 12 blocks + a pool of 4 in 12 slots: a is evicted
                 h.run([p], max_tokens=1)
                 settle(h)
