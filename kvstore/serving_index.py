@@ -47,7 +47,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvstore._keytable import KeyTable, make_keys, pin_counts_add, pin_counts_remove
+from kvstore._keytable import KeyTable, fingerprints, make_keys, pin_counts_add, pin_counts_remove
 from kvstore.engine import DiskStore
 from kvstore.errors import KVStoreError, StoreFull
 from kvstore.index import Entry
@@ -77,6 +77,8 @@ class IndexEvent:
     keys: list = field(default_factory=list)     # evicted/dropped: keys that left the index;
     #                                              committed: every key of the job, in order
     failed: int = 0                 # committed: blocks not committed (stale or write error)
+    count: int = 0                  # committed: blocks committed (`items` may be left empty)
+    fps: bytes = b""                # committed (commit_blocks): every key's fingerprint
     error: Exception | None = None  # error: what failed (the step thread logs it once)
     what: str = ""
 
@@ -412,13 +414,15 @@ class ServingIndex:
         self._ops.put(("commit", list(good), list(bad), tag))
 
     def commit_blocks(self, keys: list, slots: list, gens: list, failed=(), tag=None,
-                      packed: tuple | None = None) -> None:
+                      packed: tuple | None = None, keys_back: bool = True) -> None:
         """commit() of parallel lists, block indices in `failed` aborted: the (key, slot,
         generation) tuples are made on the index thread, not the step thread. `packed` =
         (hashes, group runs): more blocks after `keys`, whose keys the index thread makes
-        too. The "committed" event's `keys` are every block's key, in order."""
+        too. The "committed" event's `fps` are every block's key fingerprint, in order
+        (`KeySet.discard_fingerprints`); its `keys` (every key) and `items` only with
+        `keys_back`: without, no key or tuple of the job is freed on the step thread."""
         self._queued += 1
-        self._ops.put(("commit_blocks", keys, slots, gens, failed, tag, packed))
+        self._ops.put(("commit_blocks", keys, slots, gens, failed, tag, packed, keys_back))
 
     def abort(self, items: Sequence[tuple]) -> None:
         """Queue: give (key, slot, generation) reservations back."""
@@ -646,7 +650,9 @@ class ServingIndex:
                         self._commit(op[1], op[2], op[3])
                     elif kind == "commit_blocks":
                         keys = _all_keys(op[1], op[6])
-                        self._commit(*_split_failed(keys, op[2], op[3], op[4]), op[5], keys)
+                        self._commit(*_split_failed(keys, op[2], op[3], op[4]), op[5], keys,
+                                     op[7])
+                        del keys, op    # freed here, not by the step thread
                     elif kind == "abort":
                         self.index.abort(op[1])
                     elif kind == "drop":
@@ -743,9 +749,13 @@ class ServingIndex:
             if len(got) < n:
                 return      # everything left is pinned or reserved: try again later
 
-    def _commit(self, good: list[tuple], bad: list[tuple], tag, keys: list = ()) -> None:
-        """Abort bad, commit good; post the "committed" event (its `keys`: `keys`)."""
+    def _commit(self, good: list[tuple], bad: list[tuple], tag, keys: list | None = None,
+                keys_back: bool = True) -> None:
+        """Abort bad, commit good; post the "committed" event (with `keys`: their
+        fingerprints, and with `keys_back` the keys and committed items too)."""
         failed = len(bad)
+        fps = fingerprints(keys) if keys is not None else b""
+        back = list(keys) if keys is not None and keys_back else []
         try:
             if bad:
                 self.index.abort(bad)
@@ -771,7 +781,7 @@ class ServingIndex:
             # The index cannot be written (disk full...): the store is dropped and its
             # reservations are given back when the index can be written again.
             self._post(IndexEvent("committed", tag=tag, failed=len(good) + len(bad), error=exc,
-                                  keys=list(keys)))
+                                  keys=back, fps=fps))
             self._retry_abort(good + bad)
             return
         finally:
@@ -780,7 +790,8 @@ class ServingIndex:
             self._gauges = self._read_gauges()  # the step that takes the event sees them
         except KVStoreError:
             pass
-        self._post(IndexEvent("committed", tag=tag, items=live, failed=failed, keys=list(keys)))
+        self._post(IndexEvent("committed", tag=tag, items=live if keys_back else [],
+                              count=len(live), failed=failed, keys=back, fps=fps))
 
     def _retry_abort(self, items: list[tuple]) -> None:
         try:
@@ -952,10 +963,10 @@ class SyncServingIndex(ServingIndex):
         self._queued += 1
         self._commit(list(good), list(bad), tag)
 
-    def commit_blocks(self, keys, slots, gens, failed=(), tag=None, packed=None):
+    def commit_blocks(self, keys, slots, gens, failed=(), tag=None, packed=None, keys_back=True):
         keys = _all_keys(keys, packed)
         self._queued += 1
-        self._commit(*_split_failed(keys, slots, gens, failed), tag, keys)
+        self._commit(*_split_failed(keys, slots, gens, failed), tag, keys, keys_back)
 
     def _retry_abort(self, items):
         try:

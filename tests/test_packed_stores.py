@@ -142,3 +142,43 @@ def test_packed_stores_are_hits_after_a_restart_on_both_index_designs(tmp_path, 
         st = h.stats
         assert st["blocks_loaded"] - before["blocks_loaded"] == 15
         assert st["blocks_mismatched"] == 0, h.mismatches
+
+
+@pytest.mark.parametrize("keys_back", [True, False])
+def test_a_committed_event_gives_back_fingerprints_and_keys_only_when_asked(tmp_path, keys_back):
+    """The index thread makes a packed job's keys, commits them, and hands back their
+    fingerprints (the step thread clears its "being stored" set with them, hashing and
+    freeing nothing); the keys and committed items come back only for KV events."""
+    from kvstore.engine import DiskStore
+    from kvstore.layout import Layout
+    from kvstore.serving_index import ServingIndex
+    layout = Layout(model="packed", dtype="float16", block_size=16, block_bytes=4096,
+                    num_layers=1, num_kv_heads=1, head_dim=64, tp_size=1)
+    st = DiskStore.create(str(tmp_path / "store"), layout, 64 * 8192)
+    ix = ServingIndex(st, pool_target=16)
+    try:
+        assert ix.wait_ready(10)
+        hashes = [os.urandom(32) for _ in range(5)]
+        storing = KeySet()
+        got, _, _ = ix.plan_new(hashes, 0, 5, list(range(5)), storing, 10, 1, True)
+        made = [b"z" * 36]
+        storing.add(made[0])
+        slots, gens = ix.take(made, (got, [(1, 5)]))
+        assert len(slots) == 6 and len(storing) == 6
+        ix.commit_blocks(made, slots, gens, {2}, tag="job", packed=(got, [(1, 5)]),
+                         keys_back=keys_back)
+        ix.flush()
+        (ev,) = [e for e in ix.poll() if e.kind == "committed"]
+        want = made + make_keys(hashes, [(1, 5)])
+        assert ev.count == 5 and ev.failed == 1 and ev.tag == "job"
+        assert ev.keys == (want if keys_back else [])
+        assert [x[0] for x in ev.items] == ([k for i, k in enumerate(want) if i != 2]
+                                            if keys_back else [])
+        storing.discard_fingerprints(ev.fps)
+        assert len(storing) == 0
+        assert [ix.contains(k) for k in want] == [True, True, False, True, True, True]
+        with pytest.raises(ValueError, match="whole fingerprints"):
+            storing.discard_fingerprints(ev.fps[:-1])
+    finally:
+        ix.close()
+        st.close()

@@ -85,6 +85,7 @@ cdef extern from *:
     void KT_PREFETCH_W(const void *p) nogil
 
 DEF BATCH = 32
+DEF FP_BYTES = 12      # a key's fingerprint as `fingerprints` packs it: fp (8) + fp2 (4)
 DEF SHARED_HDR = 4096   # bytes before the array in a SharedMap file
 DEF MAX_PEERS = 256
 DEF _ON_DEVICE = 0      # what KeyTable._remove_where removes: a device's entries,
@@ -1241,6 +1242,19 @@ cdef class KeySet:
         _fingerprint(key, &fp, &fp2)
         self._discard(fp, fp2)
 
+    def discard_fingerprints(self, const unsigned char[::1] fps):
+        """discard() for every key whose fingerprint `fingerprints()` packed into `fps`
+        (made on another thread: no key is hashed or freed here)."""
+        cdef Py_ssize_t j, n = fps.shape[0] // FP_BYTES
+        cdef uint64_t fp
+        cdef uint32_t fp2
+        if fps.shape[0] % FP_BYTES:
+            raise ValueError(f"discard_fingerprints: {fps.shape[0]} bytes, not whole fingerprints")
+        for j in range(n):
+            memcpy(&fp, &fps[j * FP_BYTES], 8)
+            memcpy(&fp2, &fps[j * FP_BYTES + 8], 4)
+            self._discard(fp, fp2)
+
     def difference_update(self, keys):
         cdef uint64_t fp
         cdef uint32_t fp2
@@ -1263,6 +1277,21 @@ cdef class KeySet:
     def clear(self):
         memset(self.t, 0, (self.mask + 1) * sizeof(FpEntry))
         self.n = 0
+
+
+def fingerprints(list keys):
+    """The table's fingerprints of `keys` (XXH3-128: 8 + 4 bytes each), packed in one bytes
+    object, for `KeySet.discard_fingerprints` on another thread."""
+    cdef Py_ssize_t j, n = len(keys)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, n * FP_BYTES)
+    cdef char *p = PyBytes_AS_STRING(out)
+    cdef uint64_t fp
+    cdef uint32_t fp2
+    for j in range(n):
+        _fingerprint(<bytes?>keys[j], &fp, &fp2)
+        memcpy(p + j * FP_BYTES, &fp, 8)
+        memcpy(p + j * FP_BYTES + 8, &fp2, 4)
+    return out
 
 
 def make_keys(list hashes, list groups):

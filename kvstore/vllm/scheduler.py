@@ -667,7 +667,7 @@ class KVStoreScheduler:
             self.index.commit([], list(zip(st.keys, st.slots, st.generations)), tag=st)
         else:   # the keys of st.packed are made by the index thread
             self.index.commit_blocks(st.keys, st.slots, st.generations, st.failed, tag=st,
-                                     packed=st.packed)
+                                     packed=st.packed, keys_back=self.events_enabled)
 
     def _index_events(self) -> None:
         """Outcomes of the index thread: commits applied, entries evicted or dropped."""
@@ -675,15 +675,21 @@ class KVStoreScheduler:
             if ev.kind == "committed":
                 st = ev.tag
                 self._committing -= 1
-                keys = ev.keys or st.keys   # every key of the job (made by the index thread)
-                self._storing_keys.difference_update(keys)
+                # every key of the job, made by the index thread: as fingerprints (no key
+                # hashed or freed here), and as keys when KV events need them
+                keys = ev.keys or st.keys
+                if ev.fps:
+                    self._storing_keys.discard_fingerprints(ev.fps)
+                else:
+                    self._storing_keys.difference_update(keys)
                 if ev.error is not None:
                     # The index cannot be written (e.g. the disk is full): the store is
                     # dropped; its reservations are given back when the index can be.
                     self._warn_once("commit", ev.error)
-                self.stored_blocks_total += len(ev.items)
+                self.stored_blocks_total += ev.count or len(ev.items)
                 if not st.reset:
-                    self._stats.add(stored_blocks=len(ev.items), store_dropped_blocks=ev.failed)
+                    self._stats.add(stored_blocks=ev.count or len(ev.items),
+                                    store_dropped_blocks=ev.failed)
                 if ev.items and self.events_enabled:
                     self._emit_stored(ev.items, st, keys)
             elif ev.kind == "evicted":
