@@ -47,7 +47,8 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvstore._keytable import KeyTable, fingerprints, make_keys, pin_counts_add, pin_counts_remove
+from kvstore._keytable import (KeyTable, fingerprints, keys_with_packed, make_keys, pin_counts_add,
+                               pin_counts_remove)
 from kvstore.engine import DiskStore
 from kvstore.errors import KVStoreError, StoreFull
 from kvstore.index import Entry
@@ -89,11 +90,6 @@ def _packed(hit: tuple, packed: bool) -> tuple:
     if not packed:
         return hit
     return None, array.array("I", hit[1]), array.array("Q", hit[2])
-
-
-def _all_keys(keys: list, packed: tuple | None) -> list:
-    """`keys`, then the keys of `packed` = (vLLM hashes, (group, count) runs), if any."""
-    return keys + make_keys(*packed) if packed else keys
 
 
 def _split_failed(keys, slots, gens, failed) -> tuple[list[tuple], list[tuple]]:
@@ -649,7 +645,11 @@ class ServingIndex:
                     if kind == "commit":
                         self._commit(op[1], op[2], op[3])
                     elif kind == "commit_blocks":
-                        keys = _all_keys(op[1], op[6])
+                        try:
+                            keys = keys_with_packed(op[1], op[6])
+                        except Exception as exc:    # (the walk made them: no memory)
+                            self._unkeyed(op[2], op[5], exc)
+                            continue
                         self._commit(*_split_failed(keys, op[2], op[3], op[4]), op[5], keys,
                                      op[7])
                         del keys, op    # freed here, not by the step thread
@@ -754,7 +754,10 @@ class ServingIndex:
         """Abort bad, commit good; post the "committed" event (with `keys`: their
         fingerprints, and with `keys_back` the keys and committed items too)."""
         failed = len(bad)
-        fps = fingerprints(keys) if keys is not None else b""
+        try:
+            fps = fingerprints(keys) if keys is not None else b""
+        except Exception:   # (no memory) the keys themselves, then
+            fps, keys_back = b"", True
         back = list(keys) if keys is not None and keys_back else []
         try:
             if bad:
@@ -792,6 +795,14 @@ class ServingIndex:
             pass
         self._post(IndexEvent("committed", tag=tag, items=live if keys_back else [],
                               count=len(live), failed=failed, keys=back, fps=fps))
+
+    def _unkeyed(self, slots: list, tag, exc: Exception) -> None:
+        """A commit whose keys could not be made: its reservations go back (by slot), and
+        its "committed" event reports every block failed, so the step thread is never
+        left waiting for it."""
+        self._applied += 1
+        self._post(IndexEvent("committed", tag=tag, failed=len(slots), error=exc))
+        self._retry_abort(list(slots))
 
     def _retry_abort(self, items: list[tuple]) -> None:
         try:
@@ -952,7 +963,8 @@ class SyncServingIndex(ServingIndex):
 
     def take(self, keys, packed=None):
         try:
-            items, evicted = self.index.reserve(_all_keys(list(keys), packed), self._pins.keys())
+            items, evicted = self.index.reserve(keys_with_packed(list(keys), packed),
+                                                self._pins.keys())
         except StoreFull:
             return [], []
         if evicted:
@@ -964,7 +976,7 @@ class SyncServingIndex(ServingIndex):
         self._commit(list(good), list(bad), tag)
 
     def commit_blocks(self, keys, slots, gens, failed=(), tag=None, packed=None, keys_back=True):
-        keys = _all_keys(keys, packed)
+        keys = keys_with_packed(keys, packed)
         self._queued += 1
         self._commit(*_split_failed(keys, slots, gens, failed), tag, keys, keys_back)
 

@@ -66,14 +66,23 @@ def test_an_eager_store_job_carries_hashes_and_the_block_ids_vllm_made(tmp_path)
         seen = []
         orig = s.build_connector_meta
 
+        walked = []     # vLLM block lists the connector asked for while planning
+        km = s._kv_cache_manager
+
         def spy(so):
-            meta = orig(so)
+            get_blocks = km.get_blocks
+            km.get_blocks = lambda r: walked.append(r) or get_blocks(r)
+            try:
+                meta = orig(so)
+            finally:
+                km.get_blocks = get_blocks
             if meta.stores:
                 seen.append((so, meta.stores, {r: list(q.block_hashes) for r, q in s._requests.items()}))
             return meta
         s.build_connector_meta = spy
         rid = h.add_request(p, max_tokens=1)
         h.step()
+        assert rid not in walked    # a new request's ids come from its NewRequestData
         (so, (job,), hashes), = seen
         assert job.keys == [] and job.groups == [(0, 6)]
         assert all(a is b for a, b in zip(job.hashes, hashes[rid][:6]))
@@ -179,6 +188,60 @@ def test_a_committed_event_gives_back_fingerprints_and_keys_only_when_asked(tmp_
         assert [ix.contains(k) for k in want] == [True, True, False, True, True, True]
         with pytest.raises(ValueError, match="whole fingerprints"):
             storing.discard_fingerprints(ev.fps[:-1])
+    finally:
+        ix.close()
+        st.close()
+
+
+def test_a_pool_that_runs_short_stores_a_prefix_and_releases_the_rest(tmp_path):
+    """A slot pool of 3 for a 6-block prompt: the plan is cut inside its packed blocks;
+    the first 3 are stored, the other 3 are dropped (counted) and leave the "being
+    stored" set, so a later pass stores them."""
+    p = prompts(74, 1, 6 * BS + 5)[0]
+    with kv_harness(tmp_path / "store", extra={"slot_pool": 3}) as h:
+        s = sched(h)
+        jobs = []
+        orig = s.build_connector_meta
+
+        def spy(so):
+            meta = orig(so)
+            jobs.extend(meta.stores)
+            return meta
+        s.build_connector_meta = spy
+        h.run([p], max_tokens=1)
+        settle(h)
+        (job,) = jobs
+        assert job.keys == [] and job.groups == [(0, 3)] and len(job.block_ids) == 3
+        assert [s.store.lookup(k) is not None for k in keys_of(h, p)] == [True] * 3 + [False] * 3
+        assert conn_stats(h)["store_dropped_blocks"] == 3 and not s._storing_keys
+
+
+def test_a_commit_whose_keys_cannot_be_made_reports_every_block_failed(tmp_path):
+    """The index thread cannot make a job's keys (runs that do not cover its hashes): the
+    step thread still gets the job's "committed" event (every block failed, the error),
+    never waits for it, and the reservations go back."""
+    from kvstore.engine import DiskStore
+    from kvstore.layout import Layout
+    from kvstore.serving_index import ServingIndex
+    layout = Layout(model="packed", dtype="float16", block_size=16, block_bytes=4096,
+                    num_layers=1, num_kv_heads=1, head_dim=64, tp_size=1)
+    st = DiskStore.create(str(tmp_path / "store"), layout, 64 * 8192)
+    ix = ServingIndex(st, pool_target=8)
+    try:
+        assert ix.wait_ready(10)
+        hashes = [os.urandom(32) for _ in range(4)]
+        slots, gens = ix.take([], (hashes, [(0, 4)]))
+        assert len(slots) == 4
+        ix.commit_blocks([], slots, gens, (), tag="bad", packed=(hashes, [(0, 3)]),
+                         keys_back=False)
+        ix.flush()
+        (ev,) = [e for e in ix.poll() if e.kind == "committed"]
+        assert ev.tag == "bad" and ev.failed == 4 and ev.count == 0 and ev.error is not None
+        assert ix.pending_commits() == 0
+        ix.flush()      # (a refill may follow the abort)
+        # the job's slots were given back: what stays reserved is the pool, nothing else
+        assert st.stats()["reserved_slots"] == len(ix.pooled())
+        assert all(not ix.contains(h + b"\0\0\0\0") for h in hashes)
     finally:
         ix.close()
         st.close()

@@ -1294,6 +1294,12 @@ def fingerprints(list keys):
     return out
 
 
+def keys_with_packed(list keys, object packed):
+    """`keys`, then the keys of `packed` = (vLLM hashes, (group id, count) runs) when
+    given: every key of a store job whose eager blocks travel packed."""
+    return keys + make_keys(packed[0], packed[1]) if packed else keys
+
+
 def make_keys(list hashes, list groups):
     """The store keys of a packed hit: hashes (vLLM block hashes, in order) + group id,
     `groups` giving (group id, count) runs that cover `hashes` in order. Made where the

@@ -12,7 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata, KVConnectorWorkerMetadata,
 )
 
-from kvstore._keytable import make_keys
+from kvstore._keytable import keys_with_packed, make_keys
 
 
 @dataclass
@@ -58,7 +58,7 @@ class StoreJob:
 
 def store_keys(job: StoreJob) -> list[bytes]:
     """The store key of every block of `job`, in order."""
-    return job.keys + make_keys(job.hashes, job.groups) if job.hashes else job.keys
+    return keys_with_packed(job.keys, job.packed)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys)
 
 from kvstore.engine import DiskStore, ensure_store
-from kvstore._keytable import KeySet, SeenFilter, make_keys
+from kvstore._keytable import KeySet, SeenFilter, keys_with_packed, make_keys
 from kvstore.errors import KVStoreError
 from kvstore.serving_index import ServingIndex, SyncServingIndex
 from kvstore.vllm.config import ConnectorConfig, block_key
@@ -47,7 +47,7 @@ class InflightStore:
     reset: bool = False             # reset_cache ran meanwhile: nothing is committed
 
     def all_keys(self) -> list[bytes]:
-        return self.keys + make_keys(*self.packed) if self.packed else self.keys
+        return keys_with_packed(self.keys, self.packed)
 
 
 class KVStoreScheduler:
@@ -463,15 +463,18 @@ class KVStoreScheduler:
         second-sight admission filters them. Returns the request's store cursor: a walk
         the limit cut short resumes after its last block in a later step."""
         adm = self._admission
+        # packed unless admission filters keys, or the synchronous baseline reserves
+        # its slots by key on this thread anyway
+        packed = adm is None and self.cfg.index_thread
         k, b, idx = self.index.plan_new(req.block_hashes, first, stop, blocks,
-                                        self._storing_keys, room, g, adm is None)
+                                        self._storing_keys, room, g, packed)
         cursor = idx[-1] + 1 if len(idx) == room else stop
         if adm is not None:     # first sightings are left out
             k, b, idx = adm.admit(k, b, idx, self._storing_keys)
         if not idx:
             return cursor
         plan.spans.append((req_id, idx))
-        if adm is None:
+        if packed:
             plan.add_packed(k, b, g)
         else:
             plan.keys += k
@@ -662,12 +665,11 @@ class KVStoreScheduler:
         is the index thread's; the keys stay in `_storing_keys` until it is applied."""
         del self._inflight_stores[job_id]
         self._committing += 1
-        if st.reset:    # (rare: the keys are made here)
-            st.keys, st.packed = st.all_keys(), None
-            self.index.commit([], list(zip(st.keys, st.slots, st.generations)), tag=st)
-        else:   # the keys of st.packed are made by the index thread
-            self.index.commit_blocks(st.keys, st.slots, st.generations, st.failed, tag=st,
-                                     packed=st.packed, keys_back=self.events_enabled)
+        # The keys of st.packed are made by the index thread. After a reset every block
+        # is aborted (nothing is committed).
+        failed = set(range(len(st.slots))) if st.reset else st.failed
+        self.index.commit_blocks(st.keys, st.slots, st.generations, failed, tag=st,
+                                 packed=st.packed, keys_back=self.events_enabled)
 
     def _index_events(self) -> None:
         """Outcomes of the index thread: commits applied, entries evicted or dropped."""
@@ -677,10 +679,11 @@ class KVStoreScheduler:
                 self._committing -= 1
                 # every key of the job, made by the index thread: as fingerprints (no key
                 # hashed or freed here), and as keys when KV events need them
-                keys = ev.keys or st.keys
+                keys = ev.keys
                 if ev.fps:
                     self._storing_keys.discard_fingerprints(ev.fps)
-                else:
+                else:   # a commit the index thread could not key (or the baseline's)
+                    keys = keys or _keys_or_made(st)
                     self._storing_keys.difference_update(keys)
                 if ev.error is not None:
                     # The index cannot be written (e.g. the disk is full): the store is
@@ -804,8 +807,11 @@ class KVStoreScheduler:
 
     def shutdown(self) -> None:
         try:
-            abandoned = [x for st in self._inflight_stores.values()
-                         for x in zip(st.all_keys(), st.slots, st.generations)]
+            try:
+                abandoned = [x for st in self._inflight_stores.values()
+                             for x in zip(st.all_keys(), st.slots, st.generations)]
+            except Exception:   # (no memory to make keys) by slot, then
+                abandoned = [s_ for st in self._inflight_stores.values() for s_ in st.slots]
             if abandoned and not self.store.closed:
                 self.index.abort(abandoned)
             self.index.close()      # applies queued commits, gives the pool back
@@ -891,6 +897,14 @@ class _Plan:
             self.groups = head
         del self.origins[n:]
         return dropped
+
+
+def _keys_or_made(st: InflightStore) -> list[bytes]:
+    """Every key of st, or the ones made at planning if the rest cannot be made."""
+    try:
+        return st.all_keys()
+    except Exception:   # (no memory) what was made at planning, then
+        return st.keys
 
 
 def _split_runs(runs: list[tuple[int, int]], m: int) -> tuple[list, list]:
