@@ -69,7 +69,11 @@ def main() -> None:
     for cls, name in ((si.ServingIndex, "lookup_hashes"), (si.ServingIndex, "count_hits"),
                       (si.ServingIndex, "pin"), (si.ServingIndex, "unpin"),
                       (si.ServingIndex, "plan_new"), (si.ServingIndex, "take"),
-                      (sc.KVStoreScheduler, "_release_candidate")):
+                      (sc.KVStoreScheduler, "_release_candidate"),
+                      (sc.KVStoreScheduler, "_plan_stores"), (sc.KVStoreScheduler, "_plan_eager"),
+                      (sc.KVStoreScheduler, "_index_events")):
+        if not hasattr(cls, name):
+            continue
         wrap(cls, name, "~" + name.lstrip("_"), False)
 
     drains = {"n": 0}
