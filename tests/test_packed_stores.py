@@ -15,6 +15,17 @@ from kvstore.vllm.scheduler import _Plan, _split_runs
 BS = 16
 
 
+def _serving_index(tmp_path, pool: int):
+    """A 64-slot store and its serving index (index thread running)."""
+    from kvstore.engine import DiskStore
+    from kvstore.layout import Layout
+    from kvstore.serving_index import ServingIndex
+    layout = Layout(model="packed", dtype="float16", block_size=16, block_bytes=4096,
+                    num_layers=1, num_kv_heads=1, head_dim=64, tp_size=1)
+    st = DiskStore.create(str(tmp_path / "store"), layout, 64 * 8192)
+    return st, ServingIndex(st, pool_target=pool)
+
+
 def test_plan_new_packed_hands_back_vllms_hash_objects_and_claims_their_fingerprints():
     hashes = [os.urandom(32) for _ in range(300)]
     a, b = KeyTable(1000), KeyTable(1000)
@@ -158,13 +169,7 @@ def test_a_committed_event_gives_back_fingerprints_and_keys_only_when_asked(tmp_
     """The index thread makes a packed job's keys, commits them, and hands back their
     fingerprints (the step thread clears its "being stored" set with them, hashing and
     freeing nothing); the keys and committed items come back only for KV events."""
-    from kvstore.engine import DiskStore
-    from kvstore.layout import Layout
-    from kvstore.serving_index import ServingIndex
-    layout = Layout(model="packed", dtype="float16", block_size=16, block_bytes=4096,
-                    num_layers=1, num_kv_heads=1, head_dim=64, tp_size=1)
-    st = DiskStore.create(str(tmp_path / "store"), layout, 64 * 8192)
-    ix = ServingIndex(st, pool_target=16)
+    st, ix = _serving_index(tmp_path, 16)
     try:
         assert ix.wait_ready(10)
         hashes = [os.urandom(32) for _ in range(5)]
@@ -220,13 +225,7 @@ def test_a_commit_whose_keys_cannot_be_made_reports_every_block_failed(tmp_path)
     """The index thread cannot make a job's keys (runs that do not cover its hashes): the
     step thread still gets the job's "committed" event (every block failed, the error),
     never waits for it, and the reservations go back."""
-    from kvstore.engine import DiskStore
-    from kvstore.layout import Layout
-    from kvstore.serving_index import ServingIndex
-    layout = Layout(model="packed", dtype="float16", block_size=16, block_bytes=4096,
-                    num_layers=1, num_kv_heads=1, head_dim=64, tp_size=1)
-    st = DiskStore.create(str(tmp_path / "store"), layout, 64 * 8192)
-    ix = ServingIndex(st, pool_target=8)
+    st, ix = _serving_index(tmp_path, 8)
     try:
         assert ix.wait_ready(10)
         hashes = [os.urandom(32) for _ in range(4)]
