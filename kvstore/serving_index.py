@@ -652,7 +652,6 @@ class ServingIndex:
                             continue
                         self._commit(*_split_failed(keys, op[2], op[3], op[4]), op[5], keys,
                                      op[7])
-                        del keys, op    # freed here, not by the step thread
                     elif kind == "abort":
                         self.index.abort(op[1])
                     elif kind == "drop":

@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=10_000_000)
     ap.add_argument("--reps", type=int, default=200)
     a = ap.parse_args()
+    if a.entries < 513 or a.reps < 1:
+        ap.error("--entries must be at least 513 (a walk plans 512 new blocks) and --reps at least 1")
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
     from kvstore._keytable import KeySet, KeyTable, make_keys

@@ -886,7 +886,7 @@ class _Plan:
         that ran short or a failed plan, not the common path)."""
         nk = len(self.keys)
         if n <= nk:
-            dropped = self.keys[n:] + (make_keys(self.hashes, self.groups) if self.hashes else [])
+            dropped = keys_with_packed(self.keys[n:], self.packed)
             del self.keys[n:], self.bids[n:]
             self.hashes, self.groups, self.pbids = [], [], []
         else:
