@@ -289,12 +289,9 @@ def warmup_cmd(store, prompts, from_store, model, capacity, engine_arg, all_bloc
 @click.option("--engines", default=1, show_default=True, type=click.IntRange(1, 16),
               help="Engine processes on the one store at once (each reported; the load phase "
                    "replays another engine's prompts). More than 1 skips the baseline.")
-@click.option("--lookup-blocks-per-step", default=None, type=click.IntRange(0, 1 << 24),
-              help="The connector's lookup budget per step (default: the connector's, 1024; "
-                   "0: none, every lookup walks its whole prefix in its step).")
 @click.option("--json", "as_json", is_flag=True)
 def bench_connector(index_entries, requests, prompt_tokens, baseline, directory, plot_path,
-                    engines, lookup_blocks_per_step, as_json):
+                    engines, as_json):
     """Connector time on vLLM's scheduler thread per step (p50/p99/max), store and load phases."""
     from kvstore.bench import connector_bench
     if plot_path and not os.path.isdir(os.path.dirname(os.path.abspath(plot_path))):
@@ -303,8 +300,7 @@ def bench_connector(index_entries, requests, prompt_tokens, baseline, directory,
     try:
         out = connector_bench.run(index_entries=index_entries, requests=requests,
                                   prompt_tokens=prompt_tokens, baseline=baseline and engines == 1,
-                                  workdir=directory, engines=engines,
-                                  lookup_blocks_per_step=lookup_blocks_per_step)
+                                  workdir=directory, engines=engines)
     except (KVStoreError, OSError) as exc:
         _fail(exc)
     click.echo(json.dumps(out, indent=2) if as_json else connector_bench.format_table(out))

@@ -315,8 +315,6 @@ def _phases(common: dict, prompts: list, index_thread: bool, load_prompts: list 
             // h.scheduler_connector.layout.block_bytes
         res["disk_hit_tokens"] = h.stats["external_hit_tokens"] - before["external_hit_tokens"]
         res["cross_engine_blocks"] = ix.cross_hits
-        # lookups the step's budget split or held for a later step
-        res["deferred_lookups"] = sum(st.get("deferred_lookups", 0) for st in h.kv_connector_stats)
         out["load"] = res
     gc.unfreeze()
     return out
@@ -364,8 +362,7 @@ def _several(common: dict, sets: list[list], n: int) -> list[dict]:
 
 
 def run(index_entries: int = 1_000_000, requests: int = 48, prompt_tokens: int = 8192,
-        baseline: bool = True, workdir: str | None = None, engines: int = 1,
-        lookup_blocks_per_step: int | None = None) -> dict:
+        baseline: bool = True, workdir: str | None = None, engines: int = 1) -> dict:
     from kvstore.testing import EngineHarness
     tmp = tempfile.TemporaryDirectory(prefix="kvstore-bench-conn-", dir=workdir)
     d = tmp.name
@@ -374,10 +371,6 @@ def run(index_entries: int = 1_000_000, requests: int = 48, prompt_tokens: int =
            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
            "kv_connector_extra_config": {"path": store, "capacity": "2G", "staging": "64M",
                                          "store_policy": "eager"}}
-    if lookup_blocks_per_step is not None:
-        cfg["kv_connector_extra_config"]["lookup_blocks_per_step"] = lookup_blocks_per_step
-    from kvstore.vllm.config import ConnectorConfig
-    budget = ConnectorConfig.from_extra_config(cfg["kv_connector_extra_config"]).lookup_blocks_per_step
     per_step = 8192
     ntok = prompt_tokens + BLOCK_SIZE // 2
     rng = random.Random(3)
@@ -389,8 +382,7 @@ def run(index_entries: int = 1_000_000, requests: int = 48, prompt_tokens: int =
                   max_num_batched_tokens=per_step, max_num_seqs=8, max_model_len=ntok + 64,
                   workdir=d, verify=False)
     out: dict = {"index_entries": index_entries, "requests": requests,
-                 "prompt_tokens": prompt_tokens, "tokens_per_step": per_step,
-                 "lookup_blocks_per_step": budget}
+                 "prompt_tokens": prompt_tokens, "tokens_per_step": per_step}
     try:
         with EngineHarness(**common):           # creates the store (its layout)
             pass
@@ -419,8 +411,7 @@ def run(index_entries: int = 1_000_000, requests: int = 48, prompt_tokens: int =
 def format_table(r: dict) -> str:
     lines = [f"kvstore bench connector: index prefilled with {r['index_entries']:,} entries "
              f"(full: every store evicts), {r['requests']} prompts of {r['prompt_tokens']} tokens, "
-             f"{r['tokens_per_step']} tokens per step, lookup budget "
-             f"{r.get('lookup_blocks_per_step') or 'none'} blocks per step",
+             f"{r['tokens_per_step']} tokens per step",
              f"engine open {r['engine_open_s']:.2f} s; lookup table built in the background in "
              f"{r['table_build_s']:.2f} s",
              "connector time on the scheduler thread per step (ms):",
@@ -469,8 +460,7 @@ def format_table(r: dict) -> str:
         st, ld = phases["store"], phases["load"]
         lines.append(f"{name}: store phase {st['stored_blocks']} of {st['planned_blocks']} blocks "
                      f"committed; load phase {ld['blocks_loaded']} blocks loaded, "
-                     f"{ld['disk_hit_tokens']} tokens from disk "
-                     f"({ld.get('deferred_lookups', 0)} lookups went on in a later step), "
+                     f"{ld['disk_hit_tokens']} tokens from disk, "
                      f"{ld.get('cross_engine_blocks', 0)} found in LMDB only (stored by another "
                      "engine after this one's table was built)")
     return "\n".join(lines)
