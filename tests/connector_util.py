@@ -194,7 +194,6 @@ def assert_quiescent(h, store: str | None = None, before: set[str] | None = None
     assert s.index.pinned_slots == 0, f"pinned slots left: {s.index.pin_counts()}"
     assert not s._candidates and not s._pending_loads and not s._inflight_loads, \
         (s._candidates, s._pending_loads, s._inflight_loads)
-    assert not s._partial, s._partial     # lookups split by the step's budget
     assert not s._inflight_stores and not s._storing_keys
     assert not s._load_invalid and not s._load_failed and not s._requests
     # reserved slots are the index thread's pool, nothing else

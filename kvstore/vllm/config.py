@@ -28,7 +28,6 @@ class ConnectorConfig:
     staging_bytes: int = 256 << 20
     load_timeout_s: float = 30.0
     max_store_blocks_per_step: int = 4096
-    lookup_blocks_per_step: int = 1024   # 0: unbounded (docs/CONFIG.md)
     create: bool = True
     index_thread: bool = True
     slot_pool: int | None = None
@@ -43,7 +42,6 @@ class ConnectorConfig:
         extra = dict(extra or {})
         known = {"path", "capacity", "io_mode", "queue_depth", "store_policy", "verify",
                  "durability", "staging", "load_timeout_s", "max_store_blocks_per_step", "create",
-                 "lookup_blocks_per_step",
                  "index_thread", "slot_pool", "data_dirs", "admission", "admission_window",
                  "device_eio_limit", "device_eio_window_s"}
         unknown = sorted(set(extra) - known)
@@ -94,7 +92,6 @@ class ConnectorConfig:
             staging_bytes=staging,
             load_timeout_s=seconds("load_timeout_s", 30.0),
             max_store_blocks_per_step=integer("max_store_blocks_per_step", 4096, 1, 1 << 20),
-            lookup_blocks_per_step=integer("lookup_blocks_per_step", 1024, 0, 1 << 24),
             create=create,
             index_thread=index_thread,
             slot_pool=None if extra.get("slot_pool") is None

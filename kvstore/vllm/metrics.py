@@ -20,8 +20,6 @@ COUNTERS = {
     "evicted_blocks": "Blocks evicted from the disk store (LRU)",
     "load_failures": "Blocks whose load failed (I/O error, checksum mismatch, timeout): recomputed",
     "admission_rejected_blocks": "Blocks not stored at their first sighting (admission second_sight)",
-    "deferred_lookups": "Lookups continued in a later step: the step's lookup budget "
-                        "(lookup_blocks_per_step) was spent",
 }
 GAUGES = {
     "used_slots": "Slots holding a committed block",

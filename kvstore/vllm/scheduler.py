@@ -101,14 +101,6 @@ class KVStoreScheduler:
         # req -> (first block, end block, pinned slots, hit) of its pinned lookup, pre-alloc:
         # the hit is the generations (one group) or the groups' parts (hybrid)
         self._candidates: dict[str, tuple[int, int, Any, Any]] = {}
-        # The step's lookup budget (`lookup_blocks_per_step`, 0: none): blocks walked by
-        # this step's lookups so far (reset by build_connector_meta, the end of a step).
-        # A lookup that would walk past it walks what is left, keeps that part pinned
-        # (`_partial`: req -> (first block, next block, slots, generations)) and returns
-        # None, vLLM's "ask again later": the next step goes on from there.
-        self._lookup_budget = cfg.lookup_blocks_per_step
-        self._walked = 0
-        self._partial: dict[str, tuple[int, int, Any, Any]] = {}
         self._pending_loads: list[LoadJob] = []
         self._inflight_loads: dict[str, tuple[LoadJob, list[int]]] = {}   # job, pinned slots
         # Requests whose disk load failed (error, corruption, timeout): they recompute and
@@ -153,9 +145,6 @@ class KVStoreScheduler:
         cand = self._candidates.pop(req_id, None)
         if cand is not None:
             self.index.unpin(cand[2])
-        part = self._partial.pop(req_id, None)
-        if part is not None:
-            self.index.unpin(part[2])
 
     def bind(self, kv_cache_manager) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -165,7 +154,7 @@ class KVStoreScheduler:
     def on_new_request(self, request) -> None:
         self._requests[request.request_id] = request
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         req_id = request.request_id
         self._requests[req_id] = request
         cand = self._candidates.get(req_id)
@@ -174,56 +163,27 @@ class KVStoreScheduler:
             # is still valid (pins keep it from eviction; a block dropped since then
             # fails verification on load and is recomputed), so skip the index walk.
             return (cand[1] - cand[0]) * self.block_size, True
-        part = self._partial.pop(req_id, None)
         self._release_candidate(req_id)
-        bs = self.block_size
-        start = num_computed_tokens // bs
-        if part is not None and part[0] != start:   # the GPU hit moved: walk again
-            self.index.unpin(part[2])
-            part = None
         if getattr(request.sampling_params, "skip_reading_prefix_cache", False) or \
                 req_id in self._inflight_loads or req_id in self._load_failed:
-            if part is not None:
-                self.index.unpin(part[2])
             return 0, False
+        bs = self.block_size
+        start = num_computed_tokens // bs
         # Whole blocks only, and never the last prompt token: vLLM must compute at least
         # one token to sample from.
-        end = min((request.num_tokens - 1) // bs, len(request.block_hashes))
+        end = (request.num_tokens - 1) // bs
         if end <= start:
-            if part is not None:
-                self.index.unpin(part[2])
             return 0, False
         if self.hybrid:
             return self._hybrid_lookup(request, start, end)
-        lo = start if part is None else part[1]
-        stop = end
-        if self._lookup_budget:
-            room = self._lookup_budget - self._walked
-            if room <= 0:       # the step's budget is spent: the next step goes on
-                if part is not None:
-                    self._partial[req_id] = part
-                self._stats.add(deferred_lookups=1)
-                return None, False
-            stop = min(end, lo + room)
         try:
             # In C over the in-memory table; pinned: eviction skips them. Packed: the
             # slots and generations as arrays, no key made (they are the hashes + group).
-            _, slots, gens = self.index.lookup_hashes(request.block_hashes, lo, stop,
+            _, slots, gens = self.index.lookup_hashes(request.block_hashes, start, end,
                                                       packed=True)
         except Exception as exc:    # never raises into the engine: a miss
-            if part is not None:
-                self.index.unpin(part[2])
             self._warn_once("lookup", exc)
             return 0, False
-        found = len(slots)
-        self._walked += found if found == stop - lo else found + 1
-        if part is not None:
-            slots, gens = part[2] + slots, part[3] + gens
-        if found == stop - lo and stop < end:
-            # a prefix hit so far, cut by the budget: pinned, continued next step
-            self._partial[req_id] = (start, stop, slots, gens)
-            self._stats.add(deferred_lookups=1)
-            return None, False
         n = len(slots)
         if not n:
             self._stats.add(miss_lookups=1)
@@ -232,7 +192,7 @@ class KVStoreScheduler:
         self._candidates[req_id] = (start, start + n, slots, gens)
         self._stats.add(hit_blocks=n)
         # As DiskStore.get counts: hits in blocks, a miss per lookup that stopped short.
-        self.index.count_hits(n, 0 if n == end - start else 1)
+        self.index.count_hits(n, 0 if n == min(end, len(request.block_hashes)) - start else 1)
         return n * bs, True
 
     def _queue_load(self, job: LoadJob, pinned: list[int]) -> None:
@@ -266,11 +226,6 @@ class KVStoreScheduler:
         hashes = request.block_hashes
         end = min(end, len(hashes))
         index = self.index
-        if self._lookup_budget:     # a hybrid walk is not split: it waits for a fresh budget
-            if self._walked and self._walked >= self._lookup_budget:
-                self._stats.add(deferred_lookups=1)
-                return None, False
-            self._walked += (end - start) * len(self.group_kinds)
         pinned: list[int] = []
         try:
             for g, (kind, _) in enumerate(self.group_kinds):
@@ -633,7 +588,6 @@ class KVStoreScheduler:
         return [job]
 
     def build_connector_meta(self, scheduler_output) -> KVStoreMetadata:
-        self._walked = 0            # the end of a step: a new lookup budget
         meta = KVStoreMetadata(loads=self._pending_loads, stores=[])
         self._pending_loads = []
         try:
@@ -828,8 +782,6 @@ class KVStoreScheduler:
         """
         for st in self._inflight_stores.values():
             st.reset = True
-        for req_id in list(self._partial):  # nothing found before the reset is a hit
-            self.index.unpin(self._partial.pop(req_id)[2])
         try:
             self.index.drop_all()   # misses from now on; LMDB follows on the index thread
         except KVStoreError as exc:
