@@ -71,7 +71,8 @@ def main() -> None:
                       (si.ServingIndex, "plan_new"), (si.ServingIndex, "take"),
                       (sc.KVStoreScheduler, "_release_candidate"),
                       (sc.KVStoreScheduler, "_plan_stores"), (sc.KVStoreScheduler, "_plan_eager"),
-                      (sc.KVStoreScheduler, "_index_events")):
+                      (sc.KVStoreScheduler, "_index_events"), (sc._Plan, "cut"),
+                      (sc._Plan, "add_packed"), (sc.KVStoreScheduler, "_plan_range")):
         if not hasattr(cls, name):
             continue
         wrap(cls, name, "~" + name.lstrip("_"), False)
