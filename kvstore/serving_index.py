@@ -337,6 +337,24 @@ class ServingIndex:
             return self._table.plan_new(hashes, start, stop, block_ids, skip, limit, group,
                                         packed)
 
+    def count_new(self, hashes: list, start: int, stop: int, skip, group: int = 0) -> int:
+        """How many of blocks start..stop `plan_new` would plan with no limit (not stored,
+        not in `skip`, a `KeySet` only probed): what a dry pool drops, counted unplanned."""
+        if not self._ready:
+            return self._count_new_lmdb(hashes, start, stop, skip, group)
+        with self._lock:
+            return self._table.count_new(hashes, start, stop, skip, group)
+
+    def available(self) -> int:
+        """Slots in the pool now: how many blocks a store planned this step can take (only
+        the step thread takes, so it can only grow until then). A dry pool asks the index
+        thread for a refill here (a step that plans nothing takes nothing, and `take` is
+        what asks otherwise)."""
+        n = len(self._pool_slots)
+        if not n:
+            self._ops.put(("refill",))
+        return n
+
     # The same walks over LMDB (while the table is built; the synchronous baseline).
     def _present_lmdb(self, hashes, start, stop, group):
         return bytes(self.index.lookup(block_key(h, group)) is not None
@@ -361,6 +379,10 @@ class ServingIndex:
             bids.append(b if isinstance(b, int) else b.block_id)
             idx.append(i)
         return keys, bids, idx
+
+    def _count_new_lmdb(self, hashes, start, stop, skip, group):
+        return sum(1 for h in hashes[max(0, start):stop]
+                   if (k := block_key(h, group)) not in skip and self.index.lookup(k) is None)
 
     def pin(self, slots: Iterable[int]) -> None:
         slots = slots if isinstance(slots, list) else list(slots)
@@ -959,6 +981,12 @@ class SyncServingIndex(ServingIndex):
     def plan_new(self, hashes, start, stop, block_ids, skip, limit, group=0, packed=False):
         keys, bids, idx = self._plan_new_lmdb(hashes, start, stop, block_ids, skip, limit, group)
         return ([hashes[i] for i in idx] if packed else keys), bids, idx
+
+    def count_new(self, hashes, start, stop, skip, group=0):
+        return self._count_new_lmdb(hashes, start, stop, skip, group)
+
+    def available(self):
+        return 1 << 30      # no pool: take reserves in LMDB (and evicts) on this thread
 
     def take(self, keys, packed=None):
         try:

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from connector_util import conn_stats, keys_of, kv_harness, prompts, sched, settle, workers
+from connector_util import (conn_stats, drop_gpu_cache, keys_of, kv_harness, prompts, sched,
+                            settle, workers)
 from kvstore._keytable import KeySet, KeyTable, make_keys
 from kvstore.vllm.metadata import StoreJob, store_keys
 from kvstore.vllm.scheduler import _Plan, _split_runs
@@ -244,3 +245,62 @@ def test_a_commit_whose_keys_cannot_be_made_reports_every_block_failed(tmp_path)
     finally:
         ix.close()
         st.close()
+
+
+def test_count_new_counts_what_plan_new_would_plan_and_claims_nothing():
+    hashes = [os.urandom(32) for _ in range(300)]
+    t = KeyTable(1000)
+    for i in range(0, 300, 3):                  # every third block is stored
+        t.put(hashes[i] + (2).to_bytes(4, "big"), i, 1)
+    storing = KeySet()
+    for k in make_keys(hashes[1:40:2], [(2, 20)]):          # some being stored
+        storing.add(k)
+    before = len(storing)
+    for a, b in ((0, 300), (5, 77), (290, 400), (-3, 10), (50, 50)):
+        n = t.count_new(hashes, a, b, storing, 2)
+        assert len(storing) == before           # only probed
+        probe = KeySet()
+        for k in make_keys(hashes[1:40:2], [(2, 20)]):
+            probe.add(k)
+        _, _, idx = t.plan_new(hashes, a, b, list(range(400)), probe, 10 ** 6, 2, True)
+        assert n == len(idx), (a, b)
+    assert t.count_new(hashes, 0, 300, KeySet(), 0) == 300      # another group: all new
+
+
+def test_a_short_pool_plans_only_what_it_can_take(tmp_path):
+    """The walk stops where the pool's slots end: the plan is never cut (no key made for
+    blocks then dropped), the rest is counted as dropped; a dry pool plans nothing, asks
+    for a refill, and later stores go on."""
+    ps = prompts(75, 2, 6 * BS + 5)
+    with kv_harness(tmp_path / "store", extra={"slot_pool": 3}) as h:
+        s = sched(h)
+        cuts = []
+        orig_cut = _Plan.cut
+
+        def cut(self, n):
+            cuts.append(n)
+            return orig_cut(self, n)
+        _Plan.cut = cut
+        try:
+            h.run(ps[:1], max_tokens=1)
+            settle(h)
+            assert cuts == [] and conn_stats(h)["store_dropped_blocks"] == 3
+            assert [s.store.lookup(k) is not None for k in keys_of(h, ps[0])] == \
+                [True] * 3 + [False] * 3
+            held = [b"held-%032d" % i for i in range(3)]    # the pool taken: dry, as
+            slots, gens = s.index.take(held)               # behind an index thread
+            assert len(slots) == 3
+            h.run(ps[1:], max_tokens=1)         # plans nothing, drops all 6 (counted)
+            settle(h)
+            assert cuts == [] and conn_stats(h)["store_dropped_blocks"] == 3 + 6
+            assert not s._storing_keys
+            s.index.flush()
+            assert len(s.index.pooled()) == 3   # refilled on the dry pool's request
+            s.index.abort(list(zip(held, slots, gens)))
+            drop_gpu_cache(h)
+            h.run(ps[1:], max_tokens=1)         # stored now (a prefix of 3)
+            settle(h)
+            assert [s.store.lookup(k) is not None for k in keys_of(h, ps[1])] == \
+                [True] * 3 + [False] * 3
+        finally:
+            _Plan.cut = orig_cut

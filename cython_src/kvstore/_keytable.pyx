@@ -1015,6 +1015,31 @@ cdef class KeyTable:
             raise
         return keys, bids, idx
 
+    def count_new(self, list hashes, Py_ssize_t start, Py_ssize_t stop, KeySet skip,
+                  uint32_t group=0):
+        """How many of blocks start..stop of `hashes` `plan_new` would plan with no limit:
+        keys neither in the table nor in `skip`, which is only probed (nothing claimed).
+        The count of an eager store's blocks a dry slot pool drops, without planning them
+        (no key, no claim, no Python object per block)."""
+        cdef uint64_t fps[BATCH]
+        cdef uint32_t fp2s[BATCH]
+        cdef unsigned char buf[BATCH][KEY_MAX]
+        cdef Py_ssize_t lens[BATCH]
+        cdef Py_ssize_t b, e, j, n = 0
+        if start < 0:
+            start = 0
+        if stop > len(hashes):
+            stop = len(hashes)
+        b = start
+        while b < stop:
+            e = min(stop, b + BATCH)
+            self._hash_batch(hashes, b, e, group, buf, lens, fps, fp2s)
+            for j in range(e - b):
+                if self._find(fps[j], fp2s[j]) < 0 and not skip._has(fps[j], fp2s[j]):
+                    n += 1
+            b = e
+        return n
+
     def claim(self, list cands, bint ready=True):
         """The index thread's eviction claim, in one C call (the step thread never waits
         on it): of (key or None, slot) candidates, take every slot that is not pinned; a

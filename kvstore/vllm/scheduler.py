@@ -466,9 +466,27 @@ class KVStoreScheduler:
         # packed unless admission filters keys, or the synchronous baseline reserves
         # its slots by key on this thread anyway
         packed = adm is None and self.cfg.index_thread
+        stop = min(stop, len(blocks))
+        # The walk plans what the slot pool can take, no more: when the pool is short
+        # (the index thread is behind), the rest of the range is dropped, as `take`
+        # would drop it, but only counted (`count_new`: no key made, claimed and given
+        # back, no block planned to be cut). Not with admission (it must see every block).
+        pool_room = plan.pool - plan.count if adm is None else room
+        walk = min(room, pool_room)
+        if walk <= 0:       # the pool is dry
+            plan.dropped += self.index.count_new(req.block_hashes, first, stop,
+                                                 self._storing_keys, g)
+            return stop
         k, b, idx = self.index.plan_new(req.block_hashes, first, stop, blocks,
-                                        self._storing_keys, room, g, packed)
-        cursor = idx[-1] + 1 if len(idx) == room else stop
+                                        self._storing_keys, walk, g, packed)
+        if len(idx) < walk:
+            cursor = stop
+        elif pool_room < room:      # the pool ran short: the rest is dropped, not resumed
+            cursor = stop
+            plan.dropped += self.index.count_new(req.block_hashes, idx[-1] + 1, stop,
+                                                 self._storing_keys, g)
+        else:                       # the step's limit: resumed after its last block
+            cursor = idx[-1] + 1
         if adm is not None:     # first sightings are left out
             k, b, idx = adm.admit(k, b, idx, self._storing_keys)
         if not idx:
@@ -543,6 +561,7 @@ class KVStoreScheduler:
         limit = self.cfg.max_store_blocks_per_step
         plan = _Plan()
         try:
+            plan.pool = self.index.available()
             if self.has_mamba:      # every policy: the hand-offs are this step's only
                 self._plan_boundary_states(scheduler_output, limit, plan)
             if self.cfg.store_policy == "eager" and self.hybrid:
@@ -556,6 +575,8 @@ class KVStoreScheduler:
                 rejected = self._admission.take_rejected()
                 if rejected:
                     self._stats.add(admission_rejected_blocks=rejected)
+            if plan.dropped:    # eager blocks a short pool left out (counted, unplanned)
+                self._stats.add(store_dropped_blocks=plan.dropped)
             total = plan.count
             if not total:
                 return []
@@ -854,9 +875,12 @@ class _Plan:
     `bids`: lazy stores, Mamba states, second-sight admission), then packed blocks
     (vLLM hashes, (group, count) runs, `pbids`: eager stores, no key made); `origins`
     of all of them in that order; `spans` (request id, block indices) per eager walk."""
-    __slots__ = ("keys", "bids", "hashes", "groups", "pbids", "origins", "spans")
+    __slots__ = ("keys", "bids", "hashes", "groups", "pbids", "origins", "spans", "pool",
+                 "dropped")
 
     def __init__(self):
+        self.pool = 1 << 62         # slots the index's pool holds (`ServingIndex.available`)
+        self.dropped = 0            # new eager blocks beyond them: dropped, counted only
         self.keys: list[bytes] = []
         self.bids: list[int] = []
         self.hashes: list[bytes] = []
