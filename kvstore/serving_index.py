@@ -347,13 +347,13 @@ class ServingIndex:
 
     def available(self) -> int:
         """Slots in the pool now: how many blocks a store planned this step can take (only
-        the step thread takes, so it can only grow until then). A dry pool asks the index
-        thread for a refill here (a step that plans nothing takes nothing, and `take` is
-        what asks otherwise)."""
-        n = len(self._pool_slots)
-        if not n:
-            self._ops.put(("refill",))
-        return n
+        the step thread takes, so it can only grow until then)."""
+        return len(self._pool_slots)
+
+    def ask_refill(self) -> None:
+        """Queue a refill of the pool (`take` does when it is taken from; a step whose
+        blocks a dry pool dropped takes nothing, and asks here)."""
+        self._ops.put(("refill",))
 
     # The same walks over LMDB (while the table is built; the synchronous baseline).
     def _present_lmdb(self, hashes, start, stop, group):
@@ -987,6 +987,9 @@ class SyncServingIndex(ServingIndex):
 
     def available(self):
         return 1 << 30      # no pool: take reserves in LMDB (and evicts) on this thread
+
+    def ask_refill(self):
+        pass
 
     def take(self, keys, packed=None):
         try:

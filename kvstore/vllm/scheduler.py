@@ -579,6 +579,8 @@ class KVStoreScheduler:
                 self._stats.add(store_dropped_blocks=plan.dropped)
             total = plan.count
             if not total:
+                if plan.dropped:    # a dry pool: nothing is taken, so ask for its refill
+                    self.index.ask_refill()
                 return []
             if not self.events_enabled:
                 plan.origins = [None] * total
