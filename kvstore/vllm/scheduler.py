@@ -471,6 +471,8 @@ class KVStoreScheduler:
         # (the index thread is behind), the rest of the range is dropped, as `take`
         # would drop it, but only counted (`count_new`: no key made, claimed and given
         # back, no block planned to be cut). Not with admission (it must see every block).
+        # (Two requests of one step sharing dropped blocks each count them: nothing is
+        # claimed for a block not planned.)
         pool_room = plan.pool - plan.count if adm is None else room
         walk = min(room, pool_room)
         if walk <= 0:       # the pool is dry
