@@ -8,7 +8,7 @@ scheduler connector's calls and the serving index's walks wrapped, and adds up e
 call's thread CPU time (`time.thread_time_ns`: no GIL or lock waits) per scheduler step.
 Prints, per phase, the CPU p50/p99 per busy step, how many steps went over 0.5 ms, and
 the slowest steps broken down: connector calls by name (`n_<call>`: how many), and inside
-them (`~<part>`) the serving index's lookup walk, pins, store planning (`plan_new`,
+them (`~<part>`) the serving index's lookup walk, pins, store planning (`plan_new`, a short pool's `count_new`,
 `take`) and hit counting. A diagnostic for issue 14, not a benchmark of record (the bench
 itself reports the per-step figures).
 """
@@ -68,7 +68,8 @@ def main() -> None:
         wrap(sc.KVStoreScheduler, name, name, True)
     for cls, name in ((si.ServingIndex, "lookup_hashes"), (si.ServingIndex, "count_hits"),
                       (si.ServingIndex, "pin"), (si.ServingIndex, "unpin"),
-                      (si.ServingIndex, "plan_new"), (si.ServingIndex, "take"),
+                      (si.ServingIndex, "plan_new"), (si.ServingIndex, "count_new"),
+                      (si.ServingIndex, "take"),
                       (sc.KVStoreScheduler, "_release_candidate"),
                       (sc.KVStoreScheduler, "_plan_stores"), (sc.KVStoreScheduler, "_plan_eager"),
                       (sc.KVStoreScheduler, "_index_events"), (sc._Plan, "cut"),
