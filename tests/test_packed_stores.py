@@ -265,6 +265,9 @@ def test_count_new_counts_what_plan_new_would_plan_and_claims_nothing():
         _, _, idx = t.plan_new(hashes, a, b, list(range(400)), probe, 10 ** 6, 2, True)
         assert n == len(idx), (a, b)
     assert t.count_new(hashes, 0, 300, KeySet(), 0) == 300      # another group: all new
+    for bad in (None, set()):                   # a clear error, never a crash
+        with pytest.raises(TypeError, match="skip"):
+            t.count_new(hashes, 0, 10, bad, 2)
 
 
 def test_a_short_pool_plans_only_what_it_can_take(tmp_path):

@@ -1015,7 +1015,7 @@ cdef class KeyTable:
             raise
         return keys, bids, idx
 
-    def count_new(self, list hashes, Py_ssize_t start, Py_ssize_t stop, KeySet skip,
+    def count_new(self, list hashes, Py_ssize_t start, Py_ssize_t stop, KeySet skip not None,
                   uint32_t group=0):
         """How many of blocks start..stop of `hashes` `plan_new` would plan with no limit:
         keys neither in the table nor in `skip`, which is only probed (nothing claimed).
