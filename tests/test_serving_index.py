@@ -141,6 +141,81 @@ def test_a_miss_ends_the_walk_before_a_later_bad_hash():
     assert t.pinned_slots == 0
 
 
+def test_a_walk_that_follows_slot_runs_finds_what_the_table_holds():
+    """A prefix stored in consecutive slots is walked by following the run (each block
+    checked against the next slot's record, no bucket probed), and the records follow
+    every change of the table: a key moved to another slot, removed, claimed, a slot
+    taken over by another key, a device's entries removed, `clear`. Random operations
+    against a dict; every walk (packed and as lists, pinned or not) is the model's."""
+    rng = random.Random(11)
+    n = 300
+    hashes = [b"r%031d" % i for i in range(n)]
+    key = [h + b"\x00\x00\x00\x00" for h in hashes]
+    t = KeyTable(2 * n)
+    model: dict[int, tuple[int, int]] = {}      # block -> (slot, generation)
+    gen = 0
+
+    def put(i, slot):
+        nonlocal gen
+        gen += 1
+        t.put(key[i], slot, gen)
+        model[i] = (slot, gen)
+
+    def check(start, stop):
+        want = []
+        for i in range(start, min(stop, n)):
+            if i not in model:
+                break
+            want.append(model[i])
+        pin = rng.random() < 0.5
+        _, sa, ga = t.prefix_of(hashes, start, stop, 0, pin, True)
+        keys, sl, gl = t.prefix_of(hashes, start, stop, 0, False)
+        assert list(zip(sa, ga)) == want == list(zip(sl, gl)), (start, stop)
+        assert keys == key[start:start + len(want)]
+        if pin:
+            assert t.pinned_slots == len(set(sa))
+            t.unpin(sa)
+        assert t.pinned_slots == 0
+
+    for i in range(n):                          # one run: block i in slot i
+        put(i, i)
+    before = t.run_follows
+    check(0, n)
+    assert t.run_follows - before >= n - 2 * 32  # the first batches probe, then it follows
+    for rnd in range(400):
+        op = rng.random()
+        i = rng.randrange(n)
+        if op < 0.25:                           # the key moves to another slot
+            put(i, rng.randrange(2 * n))
+        elif op < 0.4:
+            if t.remove(key[i]):
+                del model[i]
+        elif op < 0.5 and i in model:           # an eviction's claim takes its slot
+            slot = model[i][0]
+            taken, removed = t.claim([(key[i], slot)])
+            assert taken == {slot} and [r[0] for r in removed] == [key[i]]
+            del model[i]
+        elif op < 0.6 and i in model:           # another key takes the slot over
+            j = rng.randrange(n)
+            if j != i and j in model:
+                put(j, model[i][0])
+        elif op < 0.85:                         # a new run of consecutive slots
+            base = rng.randrange(n)
+            for m in range(i, min(n, i + rng.randrange(1, 80))):
+                put(m, base + m - i)
+        elif op < 0.9:
+            dev = rng.randrange(4)
+            t.remove_device(4, dev)
+            model = {b: v for b, v in model.items() if v[0] % 4 != dev}
+        elif op < 0.92:
+            t.clear()
+            model.clear()
+        assert len(t) == len(model)
+        check(rng.randrange(0, 40), rng.randrange(1, n + 20))
+    assert t.nbytes >= 2 * n * 16               # the slot records are counted
+    assert t.run_follows > before + n
+
+
 @pytest.mark.parametrize("path", ["table", "lmdb", "sync"])
 def test_plans_over_vllm_block_lists_give_block_ids_on_every_path(tmp_path, path):
     """The scheduler hands `plan_new` vLLM's KVCacheBlock list; every path returns block

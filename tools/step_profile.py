@@ -9,7 +9,7 @@ call's thread CPU time (`time.thread_time_ns`: no GIL or lock waits) per schedul
 Prints, per phase, the CPU p50/p99 per busy step, how many steps went over 0.5 ms, and
 the slowest steps broken down: connector calls by name (`n_<call>`: how many), and inside
 them (`~<part>`) the serving index's lookup walk, pins, store planning (`plan_new`, a short pool's `count_new`,
-`take`) and hit counting. A diagnostic for issue 14, not a benchmark of record (the bench
+`take`) and hit counting; then each part's CPU time per call (p50/p99, all steps). A diagnostic for issue 14, not a benchmark of record (the bench
 itself reports the per-step figures).
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ def main() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     steps: list = []            # (phase, busy, Counter of us per call/part)
+    calls = collections.defaultdict(list)   # (phase, label) -> us of each call
     cur: dict = {"d": None, "phase": "store"}
 
     orig_schedule = Scheduler.schedule
@@ -56,7 +57,9 @@ def main() -> None:
             finally:
                 d = cur["d"]
                 if d is not None:
-                    d[label] += (time.thread_time_ns() - c) / 1e3
+                    us = (time.thread_time_ns() - c) / 1e3
+                    d[label] += us
+                    calls[(cur["phase"], label)].append(us)
                     if count:   # page faults taken in the call (minor + major)
                         g = resource.getrusage(resource.RUSAGE_THREAD)
                         d["n_" + label] += 1
@@ -100,6 +103,13 @@ def main() -> None:
         for t, d in sorted(rows, key=lambda r: -r[0])[:a.top]:
             parts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(d.items()) if v)
             print(f"  {t:.0f} us: {parts}")
+        per = []
+        for (p, label), xs in sorted(calls.items()):
+            if p == phase and label.startswith("~"):
+                xs = sorted(xs)
+                per.append(f"{label[1:]} {xs[len(xs) // 2]:.0f}/{xs[min(len(xs) - 1, int(len(xs) * 0.99))]:.0f}"
+                           f" ({len(xs)})")
+        print("  per call, CPU us p50/p99 (calls): " + ", ".join(per))
 
 
 if __name__ == "__main__":

@@ -2,11 +2,23 @@
 #
 # An open-addressing hash table (linear probing, backward-shift deletion, no tombstones)
 # in one C array sized once for the store's capacity, so it never grows or rehashes while
-# serving: 24 bytes per bucket, at most 70% full (about 34 bytes per slot of capacity).
+# serving: 24 bytes per bucket, at most 70% full (about 34 bytes per slot of capacity;
+# with the slot records and pin counts below, about 54: 540 MiB for 10M slots).
 # Keys are not kept, only a 96-bit XXH3-128 fingerprint: two different keys share a
 # fingerprint with probability ~2^-96 per pair, and even then a load reads the slot's
 # header, which names the real key, so a wrong hit is recomputed, never served.
 # A prefix walk costs one hash and (mostly) one cache miss per key; a miss stops it.
+#
+# Runs of slots: a store job takes its slots from the pool in order, and the pool hands
+# out free slots and LRU victims in slot order, so a prefix stored together mostly sits in
+# consecutive slots (every lookup of `kvstore bench connector`'s load phase: 511 of 511).
+# A per-slot record (`SlotRec`: the fingerprint and generation of the entry a slot holds,
+# 16 bytes a slot) lets a walk follow such a run: the block after a hit in slot s is
+# first checked against slot s + 1's record, a sequential read, and only when that fails
+# is its bucket probed (a random cache miss). The record is kept in step with the table
+# by `_put` and `_delete_at`, through which every change goes; it holds only fp (64
+# bits), so a run-followed hit is named by 64 of the 96 bits (a wrong hit: ~2^-64 per
+# block, and a load still checks the slot header's key).
 #
 # The table also holds the pins: a count per slot (a C array of the store's capacity, 4
 # bytes a slot), so a lookup pins its hit in the same C call that finds it and the index
@@ -99,6 +111,11 @@ cdef struct Bucket:
     uint64_t gen
     uint32_t slot
     uint32_t fp2
+
+
+cdef struct SlotRec:    # what slot s holds, by slot (see "Runs of slots" above)
+    uint64_t fp         # 0: no entry of the table names this slot
+    uint64_t gen
 
 
 cdef inline void _fingerprint(bytes key, uint64_t *fp, uint32_t *fp2):
@@ -300,6 +317,8 @@ cdef class KeyTable:
     cdef readonly Py_ssize_t capacity
     cdef Py_ssize_t n
     cdef uint32_t *pins         # pin count per slot, [0, capacity)
+    cdef SlotRec *rec           # per slot: the fingerprint and generation it holds
+    cdef readonly long long run_follows     # hits a walk found by following a slot run
     cdef Py_ssize_t npinned     # slots whose count is > 0
     cdef bint own_pins          # pins is ours (mmap) rather than a SharedMap's
     cdef uint64_t *sgen         # the store's shared slot generations, or NULL
@@ -325,6 +344,12 @@ cdef class KeyTable:
         self.mask = size - 1
         self.capacity = capacity
         self.n = 0
+        # Not faulted in: only `_put` (the index thread's fill and commits) writes a record
+        # first; a walk that reads one never written reads the zero page.
+        self.rec = <SlotRec *>_huge_zeroed(<size_t>capacity * sizeof(SlotRec))
+        if self.rec == NULL:
+            raise MemoryError(f"KeyTable: cannot allocate slot records for {capacity} slots")
+        self.run_follows = 0
         self.pins = <uint32_t *>_huge_zeroed(<size_t>capacity * sizeof(uint32_t))
         if self.pins == NULL:
             raise MemoryError(f"KeyTable: cannot allocate pin counts for {capacity} slots")
@@ -348,6 +373,9 @@ cdef class KeyTable:
         if self.t != NULL:
             munmap(self.t, self.tbytes)
         self.t = NULL
+        if self.rec != NULL:
+            munmap(self.rec, <size_t>self.capacity * sizeof(SlotRec))
+        self.rec = NULL
         if self.pins != NULL and self.own_pins:
             munmap(self.pins, <size_t>self.capacity * sizeof(uint32_t))
         self.pins = NULL
@@ -488,7 +516,8 @@ cdef class KeyTable:
 
     @property
     def nbytes(self):
-        return (self.mask + 1) * sizeof(Bucket)
+        """The table's memory: buckets and slot records (pins not counted)."""
+        return (self.mask + 1) * sizeof(Bucket) + <size_t>self.capacity * sizeof(SlotRec)
 
     cdef inline void _prefetch(self, uint64_t fp) noexcept nogil:
         # a 24-byte bucket straddles two cache lines one time in four: fetch both
@@ -593,16 +622,32 @@ cdef class KeyTable:
                 b.slot = slot
                 b.gen = gen
                 self.n += 1
+                self._set_rec(slot, fp, gen)
                 return 0
             if b.fp == fp and b.fp2 == fp2:
+                if b.slot != slot:
+                    self._clear_rec(b.slot, fp)
                 b.slot = slot
                 b.gen = gen
+                self._set_rec(slot, fp, gen)
                 return 0
             i = (i + 1) & self.mask
+
+    cdef inline void _set_rec(self, uint32_t slot, uint64_t fp, uint64_t gen) noexcept nogil:
+        if slot < self.capacity:
+            self.rec[slot].fp = fp
+            self.rec[slot].gen = gen
+
+    cdef inline void _clear_rec(self, uint32_t slot, uint64_t fp) noexcept nogil:
+        # only while the record is this entry's: the slot may name a newer entry already
+        if slot < self.capacity and self.rec[slot].fp == fp:
+            self.rec[slot].fp = 0
+            self.rec[slot].gen = 0
 
     cdef void _delete_at(self, uint64_t i):
         cdef uint64_t j = i
         cdef uint64_t mask = self.mask
+        self._clear_rec(self.t[i].slot, self.t[i].fp)
         while True:
             j = (j + 1) & mask
             if self.t[j].fp == 0:
@@ -654,6 +699,7 @@ cdef class KeyTable:
 
     def clear(self):
         memset(self.t, 0, (self.mask + 1) * sizeof(Bucket))
+        memset(self.rec, 0, <size_t>self.capacity * sizeof(SlotRec))
         self.n = 0
 
     def prefix(self, list keys):
@@ -764,16 +810,26 @@ cdef class KeyTable:
         probed whole first, prefetching each hit's pin count and shared generation, and
         only then pinned and made into keys, so those misses overlap too. A block hash
         that cannot be made a key raises only if the walk gets to its batch (a miss before
-        it ends the walk, as without the pipelining); a walk that raises pins nothing."""
+        it ends the walk, as without the pipelining); a walk that raises pins nothing.
+
+        Run-following (module notes): once a batch's hits sat in consecutive slots (3 in
+        4), the next batches check each block against the slot after the previous hit's
+        (its `SlotRec`) and probe its bucket only when that fails; their buckets are not
+        prefetched. A batch where more than 1 in 4 fails goes back to probing."""
         cdef list keys = [], slots = [], gens = []
         cdef uint64_t fps[2][BATCH]
         cdef uint32_t fp2s[2][BATCH]
         cdef unsigned char buf[2][BATCH][KEY_MAX]
         cdef Py_ssize_t lens[2][BATCH]
-        cdef Py_ssize_t found[BATCH]
+        cdef uint32_t fslot[BATCH]
+        cdef uint64_t fgen[BATCH]
         cdef Py_ssize_t b, e, nb, ne, j, i, x, m
         cdef int cur = 0
         cdef bint next_bad, missed
+        cdef bint follow = False        # this batch follows slot runs (else: probes)
+        cdef bint have_prev = False
+        cdef uint64_t prev = 0, nxt
+        cdef Py_ssize_t consec, fails
         cdef array.array sa = None, ga = None
         cdef Py_ssize_t nhit = 0
         if start < 0:
@@ -795,38 +851,54 @@ cdef class KeyTable:
                 ne = min(stop, nb + BATCH)
                 next_bad = False
                 if nb < ne:
-                    try:
+                    try:       # (a following walk does not fetch buckets it may not need)
                         self._hash_batch(hashes, nb, ne, group, buf[1 - cur], lens[1 - cur],
-                                         fps[1 - cur], fp2s[1 - cur])
+                                         fps[1 - cur], fp2s[1 - cur], not follow)
                     except Exception:
                         next_bad = True     # raised again below if the walk gets there
                 m = e - b
                 missed = False
+                consec = fails = 0
                 for j in range(e - b):      # probe the batch; prefetch what pinning reads
-                    i = self._find(fps[cur][j], fp2s[cur][j])
-                    if i < 0:
-                        m = j
-                        missed = True
-                        break
-                    found[j] = i
-                    x = self.t[i].slot
+                    nxt = prev + 1
+                    if follow and have_prev and nxt < <uint64_t>self.capacity \
+                            and self.rec[nxt].fp == fps[cur][j]:
+                        fslot[j] = <uint32_t>nxt
+                        fgen[j] = self.rec[nxt].gen
+                        self.run_follows += 1
+                    else:
+                        fails += follow
+                        i = self._find(fps[cur][j], fp2s[cur][j])
+                        if i < 0:
+                            m = j
+                            missed = True
+                            break
+                        fslot[j] = self.t[i].slot
+                        fgen[j] = self.t[i].gen
+                        consec += have_prev and fslot[j] == nxt
+                    prev = fslot[j]
+                    have_prev = True
+                    x = fslot[j]
                     if x < self.capacity:
                         if pin:
                             KT_PREFETCH_W(&self.pins[x])
                         if self.sgen != NULL:
                             KT_PREFETCH(&self.sgen[x])
+                if follow:
+                    follow = fails * 4 <= m
+                else:
+                    follow = m > 1 and consec * 4 >= (m - 1) * 3
                 for j in range(m):
-                    i = found[j]
-                    x = self.t[i].slot
+                    x = fslot[j]
                     if pin and x >= self.capacity:
                         raise ValueError(f"slot {x} outside the table's capacity {self.capacity}")
                     if packed:
                         sa.data.as_uints[nhit] = x
-                        ga.data.as_ulonglongs[nhit] = self.t[i].gen
+                        ga.data.as_ulonglongs[nhit] = fgen[j]
                     else:
                         keys.append(PyBytes_FromStringAndSize(<char *>buf[cur][j], lens[cur][j]))
                         slots.append(x)
-                        gens.append(self.t[i].gen)
+                        gens.append(fgen[j])
                     nhit += 1
                     if pin:                 # every slot walked is pinned once by us
                         if self.pins[x] == 0:
@@ -914,12 +986,13 @@ cdef class KeyTable:
 
     cdef int _hash_batch(self, list hashes, Py_ssize_t b, Py_ssize_t e, uint32_t group,
                          unsigned char (*buf)[KEY_MAX], Py_ssize_t *lens, uint64_t *fps,
-                         uint32_t *fp2s) except -1:
+                         uint32_t *fp2s, bint fetch=True) except -1:
         cdef Py_ssize_t j
         for j in range(b, e):
             lens[j - b] = _make_key(hashes[j], group, buf[j - b])
             _fingerprint_raw(buf[j - b], lens[j - b], &fps[j - b], &fp2s[j - b])
-        self._prefetch_all(fps, e - b)
+        if fetch:
+            self._prefetch_all(fps, e - b)
         return 0
 
     cdef inline void _prefetch_all(self, const uint64_t *fps, Py_ssize_t n) noexcept nogil:
