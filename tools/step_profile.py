@@ -9,7 +9,9 @@ call's thread CPU time (`time.thread_time_ns`: no GIL or lock waits) per schedul
 Prints, per phase, the CPU p50/p99 per busy step, how many steps went over 0.5 ms, and
 the slowest steps broken down: connector calls by name (`n_<call>`: how many), and inside
 them (`~<part>`) the serving index's lookup walk, pins, store planning (`plan_new`, a short pool's `count_new`,
-`take`) and hit counting; then each part's CPU time per call (p50/p99, all steps). A diagnostic for issue 14, not a benchmark of record (the bench
+`take`) and hit counting; then each part's CPU time per call (p50/p99, all steps), and
+the long lookups' (> 256 blocks) CPU time and how many of their blocks were found by
+following a run of consecutive slots (`KeyTable.run_follows`). A diagnostic for issue 14, not a benchmark of record (the bench
 itself reports the per-step figures).
 """
 from __future__ import annotations
@@ -81,6 +83,22 @@ def main() -> None:
             continue
         wrap(cls, name, "~" + name.lstrip("_"), False)
 
+    # long lookups (an 8k-token prompt's ~511 blocks): their CPU time, and how many of
+    # their blocks the walk found by following a run of consecutive slots
+    longs = collections.defaultdict(list)
+    orig_lookup = si.ServingIndex.lookup_hashes
+
+    def lookup_hashes(self, hashes, start, stop, *args, **kw):
+        table = self._table if self._ready else None
+        f = getattr(table, "run_follows", 0)
+        c = time.thread_time_ns()
+        out = orig_lookup(self, hashes, start, stop, *args, **kw)
+        us = (time.thread_time_ns() - c) / 1e3
+        if len(out[1]) > 256:
+            longs[cur["phase"]].append((us, len(out[1]), getattr(table, "run_follows", 0) - f))
+        return out
+    si.ServingIndex.lookup_hashes = lookup_hashes
+
     drains = {"n": 0}
     orig_drain = testing.EngineHarness.drain
 
@@ -110,6 +128,11 @@ def main() -> None:
                 per.append(f"{label[1:]} {xs[len(xs) // 2]:.0f}/{xs[min(len(xs) - 1, int(len(xs) * 0.99))]:.0f}"
                            f" ({len(xs)})")
         print("  per call, CPU us p50/p99 (calls): " + ", ".join(per))
+        if longs[phase]:
+            us = sorted(x[0] for x in longs[phase])
+            print(f"  lookups of > 256 blocks: {len(us)}, CPU us p50 {us[len(us) // 2]:.0f}, "
+                  f"p90 {us[int(len(us) * 0.9)]:.0f}; blocks found by following slot runs: "
+                  f"{sum(x[2] for x in longs[phase])} of {sum(x[1] for x in longs[phase])}")
 
 
 if __name__ == "__main__":
