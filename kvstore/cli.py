@@ -71,6 +71,10 @@ def bench_index(entries, directory, as_json):
         sizes = [int(x) for x in entries.split(",") if x.strip()]
     except ValueError:
         _fail(KVStoreError(f"--entries must be comma-separated integers, got {entries!r}"))
+    small = [n for n in sizes if n < index_bench.CHAIN]
+    if small:   # its reserve/commit rounds take CHAIN slots of a full index
+        _fail(KVStoreError(f"--entries: each size must be at least {index_bench.CHAIN:,} "
+                           f"(the bench commits {index_bench.CHAIN:,} keys at a time), got {small}"))
     out = index_bench.run(sizes, as_json, directory)
     if as_json:
         click.echo(json.dumps(out, indent=2))

@@ -89,3 +89,12 @@ def test_json_output_parses_as_one_object(path, stores, tmp_path):
         pytest.fail(f"`kvstore {' '.join(path)} --json` stdout is not one JSON object ({exc}):\n"
                     f"{r.stdout[:2000]}")
     assert isinstance(doc, dict) and doc
+
+
+def test_bench_index_refuses_sizes_its_commit_rounds_cannot_fill():
+    """`bench index` commits 1,000 keys at a time into a full index: a smaller size is
+    refused up front, naming the minimum (it raised StoreFull from deep in a run)."""
+    from click.testing import CliRunner
+    r = CliRunner().invoke(main, ["bench", "index", "--entries", "300,5000"])
+    assert r.exit_code != 0
+    assert "at least 1,000" in r.output and "[300]" in r.output

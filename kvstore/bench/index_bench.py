@@ -117,9 +117,9 @@ def _one(n: int, root: str) -> dict:
     # a prefix stored together (its blocks in consecutive slots, as a store job takes them
     # from the pool): the walk follows the run instead of probing each block's bucket
     runs = [[key(int(s) + j) for j in range(WALK_BLOCKS)]
-            for s in rng.integers(0, n - WALK_BLOCKS, 100)] if n > WALK_BLOCKS else []
+            for s in rng.integers(0, n - WALK_BLOCKS, 100)]
     follows = table.run_follows
-    rtimes = _walk_cold(table, runs) if runs else [float("nan")]
+    rtimes = _walk_cold(table, runs)
     follows = table.run_follows - follows
     misses = [b"miss" + c[0] for c in chains]
     t0 = time.perf_counter()
@@ -171,7 +171,7 @@ def _one(n: int, root: str) -> dict:
         # following the run
         "table_walk511_run_cold_p50_ms": round(statistics.median(rtimes), 3),
         "table_walk511_run_cold_p99_ms": round(_pct(rtimes, 99), 3),
-        "table_walk511_run_followed": round(follows / (len(runs) * WALK_BLOCKS), 3) if runs else 0.0,
+        "table_walk511_run_followed": round(follows / (len(runs) * WALK_BLOCKS), 3),
         "table_build_s": round(table_build_s, 2),
         "table_mb": round(table_mb, 1),
         "commit1000_ms": round(statistics.median(total_ms), 3),
