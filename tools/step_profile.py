@@ -115,8 +115,8 @@ def main() -> None:
         if not rows:
             continue
         tot = sorted(r[0] for r in rows)
-        print(f"{phase}: {len(rows)} steps, connector CPU per step p50 {tot[len(tot) // 2]:.0f} us, "
-              f"p99 {tot[min(len(tot) - 1, int(len(tot) * 0.99))]:.0f} us, "
+        print(f"{phase}: {len(rows)} steps, connector CPU per step p50 {_pct(tot, 50):.0f} us, "
+              f"p99 {_pct(tot, 99):.0f} us, "
               f"{sum(1 for t in tot if t > 500)} over 500 us")
         for t, d in sorted(rows, key=lambda r: -r[0])[:a.top]:
             parts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(d.items()) if v)
@@ -125,14 +125,18 @@ def main() -> None:
         for (p, label), xs in sorted(calls.items()):
             if p == phase and label.startswith("~"):
                 xs = sorted(xs)
-                per.append(f"{label[1:]} {xs[len(xs) // 2]:.0f}/{xs[min(len(xs) - 1, int(len(xs) * 0.99))]:.0f}"
-                           f" ({len(xs)})")
+                per.append(f"{label[1:]} {_pct(xs, 50):.0f}/{_pct(xs, 99):.0f} ({len(xs)})")
         print("  per call, CPU us p50/p99 (calls): " + ", ".join(per))
         if longs[phase]:
             us = sorted(x[0] for x in longs[phase])
-            print(f"  lookups of > 256 blocks: {len(us)}, CPU us p50 {us[len(us) // 2]:.0f}, "
-                  f"p90 {us[int(len(us) * 0.9)]:.0f}; blocks found by following slot runs: "
+            print(f"  lookups of > 256 blocks: {len(us)}, CPU us p50 {_pct(us, 50):.0f}, "
+                  f"p90 {_pct(us, 90):.0f}; blocks found by following slot runs: "
                   f"{sum(x[2] for x in longs[phase])} of {sum(x[1] for x in longs[phase])}")
+
+
+def _pct(xs: list, p: float) -> float:
+    """The p-th percentile of sorted xs (nearest rank below)."""
+    return xs[min(len(xs) - 1, int(len(xs) * p / 100))]
 
 
 if __name__ == "__main__":
