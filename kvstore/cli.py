@@ -71,6 +71,8 @@ def bench_index(entries, directory, as_json):
         sizes = [int(x) for x in entries.split(",") if x.strip()]
     except ValueError:
         _fail(KVStoreError(f"--entries must be comma-separated integers, got {entries!r}"))
+    if not sizes:
+        _fail(KVStoreError(f"--entries names no size (got {entries!r}): give e.g. --entries 1000000"))
     small = [n for n in sizes if n < index_bench.CHAIN]
     if small:   # its reserve/commit rounds take CHAIN slots of a full index
         _fail(KVStoreError(f"--entries: each size must be at least {index_bench.CHAIN:,} "

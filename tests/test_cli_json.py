@@ -98,3 +98,5 @@ def test_bench_index_refuses_sizes_its_commit_rounds_cannot_fill():
     r = CliRunner().invoke(main, ["bench", "index", "--entries", "300,5000"])
     assert r.exit_code != 0
     assert "at least 1,000" in r.output and "[300]" in r.output
+    r = CliRunner().invoke(main, ["bench", "index", "--entries", ","])
+    assert r.exit_code != 0 and "names no size" in r.output
