@@ -295,8 +295,6 @@ def test_events_and_stats(tmp_path):
         assert s["stored_blocks"] == 8 and s["miss_lookups"] == 2
         assert s["stored_bytes"] == 2 * 8 * workers(h)[0].io.payload_len   # both ranks
         assert s["used_slots"] == 8 and s["hit_blocks"] == 0
-        # Per-side stats straight from the connectors.
-        assert h.scheduler_connector.get_kv_connector_stats() is not None
         n = len(h.kv_connector_stats)
         drop_gpu_cache(h)
         h.run(ps, max_tokens=1)
@@ -307,10 +305,13 @@ def test_events_and_stats(tmp_path):
         assert s2["loaded_bytes"] == 2 * 8 * workers(h)[0].io.payload_len
         assert s2["stored_blocks"] == 8 and s2["evicted_blocks"] == 0
         assert len(h.kv_connector_stats) > n
-        # Published stats are deltas: a quiet connector reports nothing new.
+        # Published stats are deltas: a quiet connector reports nothing new (the
+        # scheduler's, once its gauges as they settled were reported).
         for c in h.worker_connectors:
             assert c.get_kv_connector_stats() is None
-        assert h.scheduler_connector.get_kv_connector_stats().data["loaded_blocks"] == 0
+        last = h.scheduler_connector.get_kv_connector_stats()
+        assert last is None or last.data["loaded_blocks"] == 0
+        assert h.scheduler_connector.get_kv_connector_stats() is None
 
 
 # ---------------------------------------------------------- start-up and config

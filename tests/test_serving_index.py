@@ -141,6 +141,25 @@ def test_a_miss_ends_the_walk_before_a_later_bad_hash():
     assert t.pinned_slots == 0
 
 
+def test_a_walk_whose_first_block_misses_is_answered_by_one_probe():
+    """A prompt never seen (its first block not in the table) is a miss without the
+    batched walk (`first_misses` counts these); a walk whose first block hits, and one
+    whose first block is not a bytes hash, go on as before."""
+    hashes = [b"m%031d" % i for i in range(100)]
+    t = KeyTable(200)
+    t.put_many([h + b"\x00\x00\x00\x00" for h in hashes[:40]], list(range(40)), [1] * 40)
+    _, slots, _ = t.prefix_of(hashes, 0, 100, 0, False, True)
+    assert list(slots) == list(range(40)) and t.first_misses == 0
+    for packed in (True, False):
+        keys, slots, gens = t.prefix_of(hashes, 40, 100, 0, True, packed)
+        assert len(slots) == len(gens) == 0 and t.pinned_slots == 0
+    assert t.first_misses == 2
+    assert len(t.prefix_of(hashes, 0, 100, 1)[1]) == 0 and t.first_misses == 3  # group 1
+    with pytest.raises(TypeError, match="bytes"):
+        t.prefix_of([7] + hashes, 0, 10)
+    assert t.first_misses == 3
+
+
 def test_a_walk_that_follows_slot_runs_finds_what_the_table_holds():
     """A prefix stored in consecutive slots is walked by following the run (each block
     checked against the next slot's record, no bucket probed), and the records follow

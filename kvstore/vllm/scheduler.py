@@ -120,6 +120,7 @@ class KVStoreScheduler:
         self._to_touch: list[tuple[list, list]] = []     # (hashes, group runs) of loads
         self._events: list = []
         self._stats = KVStoreStats()
+        self._reported_gauges = None    # (used, free, failed devices) of the last report
         self._kv_cache_manager = None
         self._block_pool = None
         self._warned: set[str] = set()
@@ -815,19 +816,24 @@ class KVStoreScheduler:
         return True
 
     def get_stats(self) -> KVStoreStats | None:
+        """This step's counters and the gauges; None when there is nothing new (counters
+        all zero, gauges as last reported): vLLM calls it every step, on its scheduler
+        thread, and carries what it returns to the Prometheus logger."""
         self._index_events()
+        data = self._stats.data
         g = self.index.gauges()
-        self._stats.data["used_slots"] = g["used_slots"]
-        self._stats.data["free_slots"] = g["free_slots"]
+        data["used_slots"] = g["used_slots"]
+        data["free_slots"] = g["free_slots"]
         fences = getattr(self.index, "fences", None)
         if fences is not None and self.index.ndev > 1:
-            self._stats.data["failed_devices"] = len(fences)
+            data["failed_devices"] = len(fences)
             for d in fences:
-                self._stats.data[DEVICE_FAILED + self.store.data_dirs[d]] = 1
-        if self._stats.is_empty() and "used_slots" not in self._stats.data:
+                data[DEVICE_FAILED + self.store.data_dirs[d]] = 1
+        gauges = (g["used_slots"], g["free_slots"], data.get("failed_devices"))
+        if gauges == self._reported_gauges and self._stats.is_empty():
             return None
-        out = KVStoreStats(dict(self._stats.data))
-        self._stats.reset()
+        self._reported_gauges = gauges
+        out, self._stats = self._stats, KVStoreStats()
         return out
 
     def shutdown(self) -> None:
