@@ -417,9 +417,12 @@ class ServingIndex:
         (only counted here: no key is made)."""
         want = len(keys) + (len(packed[0]) if packed else 0)
         with self._pool_lock:
-            n = min(want, len(self._pool_slots))
-            slots, gens = self._pool_slots[:n], self._pool_gens[:n]
-            del self._pool_slots[:n], self._pool_gens[:n]
+            if want >= len(self._pool_slots):   # all of it (a short pool): no copy
+                slots, gens = self._pool_slots, self._pool_gens
+                self._pool_slots, self._pool_gens = [], []
+            else:
+                slots, gens = self._pool_slots[:want], self._pool_gens[:want]
+                del self._pool_slots[:want], self._pool_gens[:want]
         if want:    # taken from, or dry (pins may have gone since): the index thread refills
             self._ops.put(("refill",))
         return slots, gens
