@@ -65,20 +65,24 @@ _YIELD_S = 0.0001
 # came, went or died (reclaiming a dead one's reservations), and sweeps the table of
 # entries other engines evicted (a slice of the table per round).
 _PEERS_EVERY_S = 0.5
+# The index thread counts a dry pool's dropped blocks in slices this long (`count_dropped`).
+_COUNT_SLICE = 128
 _SWEEP_BUCKETS = 1 << 16
 
 
 @dataclass
 class IndexEvent:
     """An outcome of the index thread, for the step thread (`ServingIndex.poll`)."""
-    kind: str                       # "committed", "evicted", "dropped", "announce", "error"
+    kind: str                       # "committed", "evicted", "dropped", "announce", "counted",
+    #                                 "error"
     tag: object = None              # the caller's tag of a commit (its store job)
     items: list = field(default_factory=list)    # committed: (key, slot, generation) now hits;
     #                                              announce: the events to publish
     keys: list = field(default_factory=list)     # evicted/dropped: keys that left the index;
     #                                              committed: every key of the job, in order
     failed: int = 0                 # committed: blocks not committed (stale or write error)
-    count: int = 0                  # committed: blocks committed (`items` may be left empty)
+    count: int = 0                  # committed: blocks committed (`items` may be left empty);
+    #                                 counted: new blocks a dry pool dropped (`count_dropped`)
     fps: bytes = b""                # committed (commit_blocks): every key's fingerprint
     error: Exception | None = None  # error: what failed (the step thread logs it once)
     what: str = ""
@@ -337,23 +341,20 @@ class ServingIndex:
             return self._table.plan_new(hashes, start, stop, block_ids, skip, limit, group,
                                         packed)
 
-    def count_new(self, hashes: list, start: int, stop: int, skip, group: int = 0) -> int:
-        """How many of blocks start..stop `plan_new` would plan with no limit (not stored,
-        not in `skip`, a `KeySet` only probed): what a dry pool drops, counted unplanned."""
-        if not self._ready:
-            return self._count_new_lmdb(hashes, start, stop, skip, group)
-        with self._lock:
-            return self._table.count_new(hashes, start, stop, skip, group)
+    def count_dropped(self, hashes: list, start: int, stop: int, skip, group: int = 0) -> None:
+        """Count what a dry (or short) pool drops of an eager walk, blocks start..stop, as
+        `KeyTable.count_new` counts them, on the index thread: the step thread does no per-block
+        work for blocks it does not store. The count comes back as a "counted" event (one
+        per call, posted even if counting failed). `hashes` is vLLM's list (only appended
+        to); `skip` (the keys being stored) is read under the GIL, as the step thread
+        changes it. Queuing it also refills the pool (every round of the index thread
+        does)."""
+        self._ops.put(("count_new", hashes, start, stop, skip, group))
 
     def available(self) -> int:
         """Slots in the pool now: how many blocks a store planned this step can take (only
         the step thread takes, so it can only grow until then)."""
         return len(self._pool_slots)
-
-    def ask_refill(self) -> None:
-        """Queue a refill of the pool (`take` does when it is taken from; a step whose
-        blocks a dry pool dropped takes nothing, and asks here)."""
-        self._ops.put(("refill",))
 
     # The same walks over LMDB (while the table is built; the synchronous baseline).
     def _present_lmdb(self, hashes, start, stop, group):
@@ -685,6 +686,12 @@ class ServingIndex:
                         self._drop_all()
                     elif kind == "fence":
                         self._fence(op[1], op[2], op[3])
+                    elif kind == "count_new":
+                        n = 0
+                        try:
+                            n = self._count_dropped(*op[1:])
+                        finally:            # the step thread waits for every count
+                            self._post(IndexEvent("counted", count=n))
                     elif kind == "count":
                         hits += op[1]
                         misses += op[2]
@@ -729,6 +736,21 @@ class ServingIndex:
             self._announce = None
             self._fail("announcing the stored blocks", exc)
             return None
+
+    def _count_dropped(self, hashes, start, stop, skip, group) -> int:
+        """`count_dropped`'s count, in slices of `_COUNT_SLICE` blocks (each a few dozen
+        microseconds holding the GIL) with the GIL let go between them."""
+        n = 0
+        for b in range(max(0, start), stop, _COUNT_SLICE):
+            e = min(stop, b + _COUNT_SLICE)
+            if self._ready:
+                with self._lock:
+                    n += self._table.count_new(hashes, b, e, skip, group)
+            else:       # the table could not be built: LMDB lookups
+                n += self._count_new_lmdb(hashes, b, e, skip, group)
+            if e < stop:
+                self._yield()
+        return n
 
     @staticmethod
     def _yield() -> None:
@@ -985,14 +1007,12 @@ class SyncServingIndex(ServingIndex):
         keys, bids, idx = self._plan_new_lmdb(hashes, start, stop, block_ids, skip, limit, group)
         return ([hashes[i] for i in idx] if packed else keys), bids, idx
 
-    def count_new(self, hashes, start, stop, skip, group=0):
-        return self._count_new_lmdb(hashes, start, stop, skip, group)
+    def count_dropped(self, hashes, start, stop, skip, group=0):
+        self._post(IndexEvent("counted", count=self._count_new_lmdb(hashes, start, stop,
+                                                                   skip, group)))
 
     def available(self):
         return 1 << 30      # no pool: take reserves in LMDB (and evicts) on this thread
-
-    def ask_refill(self):
-        pass
 
     def take(self, keys, packed=None):
         try:

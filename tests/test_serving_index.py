@@ -378,6 +378,57 @@ def test_pool_reservations_are_reclaimed_after_a_crash(tmp_path):
         assert st.index.check_consistency() == []
 
 
+@pytest.mark.parametrize("path", ["table", "lmdb", "sync"])
+def test_a_dry_pools_drops_are_counted_off_the_step_thread(tmp_path, path):
+    """`count_dropped` counts what `plan_new` would have planned of a range (not stored,
+    not being stored) on the index thread, in slices, and reports it as one "counted"
+    event; a count that fails still reports (0), so the scheduler never waits forever.
+    The synchronous baseline counts on the caller's thread."""
+    from kvstore._keytable import KeySet
+    from kvstore.serving_index import block_key
+    st = make(tmp_path, 64)
+    ix = SyncServingIndex(st) if path == "sync" else ServingIndex(st, pool_target=8)
+    threads = []
+    try:
+        if path != "sync":
+            assert ix.wait_ready(10)
+            orig = ix._count_dropped
+
+            def counting(*a):
+                threads.append(threading.get_ident())
+                return orig(*a)
+            ix._count_dropped = counting
+        hashes = [b"d%031d" % i for i in range(300)]
+        stored = [block_key(hashes[i], 3) for i in (0, 5, 140, 299)]
+        store_keys(ix, stored) if path != "sync" else ix.commit(list(zip(stored, *ix.take(stored))))
+        ix.poll()
+        storing = KeySet()
+        for i in (6, 7, 200):
+            storing.add(block_key(hashes[i], 3))
+        if path == "lmdb":
+            ix._ready = False               # the table could not be built: LMDB lookups
+        ix.count_dropped(hashes, 2, 300, storing, 3)      # 298 blocks: 3 slices of 128
+        ix.count_dropped(hashes, 0, 10, storing, 4)       # another group: all new
+        bad = hashes[:3] + [None]                   # fails at block 3
+        if path == "sync":                          # the caller's thread: its own error
+            with pytest.raises(TypeError):
+                ix.count_dropped(bad, 0, 4, storing, 3)
+        else:
+            ix.count_dropped(bad, 0, 4, storing, 3)
+        if path != "sync":
+            ix.flush()
+            assert threads and all(t == ix._thread.ident for t in threads)
+        evs = ix.poll()
+        counted = [e.count for e in evs if e.kind == "counted"]
+        assert counted == [298 - 3 - 3, 10] + ([] if path == "sync" else [0]), (path, counted)
+        if path != "sync":
+            assert [e.what for e in evs if e.kind == "error"] == ["count_new"]
+    finally:
+        ix._ready = True
+        ix.close()
+        st.close()
+
+
 def test_sync_baseline_has_the_same_interface(tmp_path):
     st = make(tmp_path, 32)
     ix = SyncServingIndex(st)

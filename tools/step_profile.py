@@ -8,7 +8,7 @@ scheduler connector's calls and the serving index's walks wrapped, and adds up e
 call's thread CPU time (`time.thread_time_ns`: no GIL or lock waits) per scheduler step.
 Prints, per phase, the CPU p50/p99 per busy step, how many steps went over 0.5 ms, and
 the slowest steps broken down: connector calls by name (`n_<call>`: how many), and inside
-them (`~<part>`) the serving index's lookup walk, pins, store planning (`plan_new`, a short pool's `count_new`,
+them (`~<part>`) the serving index's lookup walk, pins, store planning (`plan_new`, a short pool's `count_dropped` (queued),
 `take`) and hit counting; then each part's CPU time per call (p50/p99, all steps), and
 the long lookups' (> 256 blocks) CPU time and how many of their blocks were found by
 following a run of consecutive slots (`KeyTable.run_follows`). A diagnostic for issue 14, not a benchmark of record (the bench
@@ -73,7 +73,7 @@ def main() -> None:
         wrap(sc.KVStoreScheduler, name, name, True)
     for cls, name in ((si.ServingIndex, "lookup_hashes"), (si.ServingIndex, "count_hits"),
                       (si.ServingIndex, "pin"), (si.ServingIndex, "unpin"),
-                      (si.ServingIndex, "plan_new"), (si.ServingIndex, "count_new"),
+                      (si.ServingIndex, "plan_new"), (si.ServingIndex, "count_dropped"),
                       (si.ServingIndex, "take"),
                       (sc.KVStoreScheduler, "_release_candidate"),
                       (sc.KVStoreScheduler, "_plan_stores"), (sc.KVStoreScheduler, "_plan_eager"),

@@ -112,6 +112,7 @@ class KVStoreScheduler:
         self._load_invalid: dict[str, set[int]] = {}
         self._inflight_stores: dict[int, InflightStore] = {}
         self._committing = 0                    # stores handed to the index thread
+        self._counting = 0                      # dry-pool counts it has not reported
         self.stored_blocks_total = 0            # blocks committed since start (benchmarks)
         # planned, not yet committed or dropped: fingerprints in C (`plan_new` probes it
         # with the ones its walk made), a set's API for the other planners
@@ -470,15 +471,15 @@ class KVStoreScheduler:
         stop = min(stop, len(blocks))
         # The walk plans what the slot pool can take, no more: when the pool is short
         # (the index thread is behind), the rest of the range is dropped, as `take`
-        # would drop it, but only counted (`count_new`: no key made, claimed and given
-        # back, no block planned to be cut). Not with admission (it must see every block).
-        # (Two requests of one step sharing dropped blocks each count them: nothing is
+        # would drop it, and counted by the index thread (`count_dropped`: the step
+        # thread makes no key, claims nothing, plans no block to cut; the count comes
+        # back as an event). Not with admission (it must see every block). (Two
+        # requests of one step sharing dropped blocks each count them: nothing is
         # claimed for a block not planned.)
         pool_room = plan.pool - plan.count if adm is None else room
         walk = min(room, pool_room)
         if walk <= 0:       # the pool is dry
-            plan.dropped += self.index.count_new(req.block_hashes, first, stop,
-                                                 self._storing_keys, g)
+            self._count_dropped(plan, req, first, stop, g)
             return stop
         k, b, idx = self.index.plan_new(req.block_hashes, first, stop, blocks,
                                         self._storing_keys, walk, g, packed)
@@ -486,8 +487,7 @@ class KVStoreScheduler:
             cursor = stop
         elif pool_room < room:      # the pool ran short: the rest is dropped, not resumed
             cursor = stop
-            plan.dropped += self.index.count_new(req.block_hashes, idx[-1] + 1, stop,
-                                                 self._storing_keys, g)
+            self._count_dropped(plan, req, idx[-1] + 1, stop, g)
         else:                       # the step's limit: resumed after its last block
             cursor = idx[-1] + 1
         if adm is not None:     # first sightings are left out
@@ -503,6 +503,16 @@ class KVStoreScheduler:
         if self.events_enabled:
             plan.origins += [self._origin(req, i) for i in idx]
         return cursor
+
+    def _count_dropped(self, plan: "_Plan", req, first: int, stop: int, g: int) -> None:
+        """Blocks first..stop of req are dropped (the pool is short): the index thread
+        counts the new ones into `store_dropped_blocks` (a "counted" event)."""
+        self._counting += 1
+        try:
+            self.index.count_dropped(req.block_hashes, first, stop, self._storing_keys, g)
+        except BaseException:
+            self._counting -= 1
+            raise
 
     def _origin(self, req, i: int) -> tuple:
         """What block i of req's BlockStored event carries besides its hash, as vLLM's
@@ -578,12 +588,8 @@ class KVStoreScheduler:
                 rejected = self._admission.take_rejected()
                 if rejected:
                     self._stats.add(admission_rejected_blocks=rejected)
-            if plan.dropped:    # eager blocks a short pool left out (counted, unplanned)
-                self._stats.add(store_dropped_blocks=plan.dropped)
             total = plan.count
-            if not total:
-                if plan.dropped:    # a dry pool: nothing is taken, so ask for its refill
-                    self.index.ask_refill()
+            if not total:       # (a dry pool's refill: the count queued asks for it)
                 return []
             if not self.events_enabled:
                 plan.origins = [None] * total
@@ -724,6 +730,10 @@ class KVStoreScheduler:
             elif ev.kind == "evicted":
                 self._stats.add(evicted_blocks=len(ev.keys))
                 self._emit_removed(ev.keys)
+            elif ev.kind == "counted":     # new blocks a dry pool dropped
+                self._counting -= 1
+                if ev.count:
+                    self._stats.add(store_dropped_blocks=ev.count)
             elif ev.kind == "dropped":
                 self._emit_removed(ev.keys)
             elif ev.kind == "announce":     # entries found on disk at start
@@ -793,11 +803,13 @@ class KVStoreScheduler:
             # tests with VLLM_CPU_OMP_THREADS_BIND one core per server, 4 of 4 runs; with
             # this pause 0 of 3). Idle engines only: a request arriving waits 5 ms at most.
             time.sleep(0.005)
-        elif self._committing and not self._inflight_stores and not self._requests:
-            # Nothing but commits left: the engine would spin on empty steps, taking the
-            # GIL from the index thread it waits for; sleep until it reports (2 ms at most).
+        elif (self._committing or self._counting) and not self._inflight_stores \
+                and not self._requests:
+            # Nothing but commits (or dry-pool counts) left: the engine would spin on
+            # empty steps, taking the GIL from the index thread it waits for; sleep until
+            # it reports (2 ms at most).
             self.index.wait_events(0.002)
-        return bool(self._inflight_stores) or self._committing > 0
+        return bool(self._inflight_stores) or self._committing > 0 or self._counting > 0
 
     def reset_cache(self) -> bool:
         """Drop every committed entry; in-flight stores abort.
@@ -885,12 +897,10 @@ class _Plan:
     `bids`: lazy stores, Mamba states, second-sight admission), then packed blocks
     (vLLM hashes, (group, count) runs, `pbids`: eager stores, no key made); `origins`
     of all of them in that order; `spans` (request id, block indices) per eager walk."""
-    __slots__ = ("keys", "bids", "hashes", "groups", "pbids", "origins", "spans", "pool",
-                 "dropped")
+    __slots__ = ("keys", "bids", "hashes", "groups", "pbids", "origins", "spans", "pool")
 
     def __init__(self):
         self.pool = 1 << 62         # slots the index's pool holds (`ServingIndex.available`)
-        self.dropped = 0            # new eager blocks beyond them: dropped, counted only
         self.keys: list[bytes] = []
         self.bids: list[int] = []
         self.hashes: list[bytes] = []
