@@ -88,6 +88,11 @@ class IndexEvent:
     what: str = ""
 
 
+def _empty_pool() -> tuple[array.array, array.array]:
+    """The slot pool's (slots, generations), empty: as a packed lookup's hit has them."""
+    return array.array("I"), array.array("Q")
+
+
 def _packed(hit: tuple, packed: bool) -> tuple:
     """A (keys, slots, generations) hit made of lists, as `lookup_hashes(packed=...)`
     returns it."""
@@ -149,11 +154,12 @@ class ServingIndex:
             self._table.attach(self.lease.slots, self.lease.pins)
             self._follow_peers()
         self._ready = False
-        # The pool: reserved (slot, generation) pairs, as two parallel lists (taken by
-        # slicing: no per-slot Python work on the step thread).
+        # The pool: reserved (slot, generation) pairs, as two parallel arrays (taken by
+        # slicing, a copy of machine words: no Python int touched on the step thread;
+        # the slots and generations of a store go to the workers as these arrays, as a
+        # lookup's do).
         self._pool_lock = threading.Lock()
-        self._pool_slots: list[int] = []
-        self._pool_gens: list[int] = []
+        self._pool_slots, self._pool_gens = _empty_pool()
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._events: deque[IndexEvent] = deque()
         self._posted = threading.Event()
@@ -411,8 +417,9 @@ class ServingIndex:
             return self._table.pins_dict()
 
     def take(self, keys: Sequence[bytes], packed: tuple | None = None
-             ) -> tuple[list[int], list[int]]:
-        """(slots, generations): a reserved slot for each of keys, in order, from the pool;
+             ) -> tuple[Sequence[int], Sequence[int]]:
+        """(slots, generations): a reserved slot for each of keys, in order, from the pool
+        (arrays "I" and "Q"; lists from the synchronous baseline);
         fewer (for a prefix of keys) when the pool runs short. The index thread refills it.
         `packed` = (hashes, group runs): more blocks after `keys`, as `StoreJob` has them
         (only counted here: no key is made)."""
@@ -420,7 +427,7 @@ class ServingIndex:
         with self._pool_lock:
             if want >= len(self._pool_slots):   # all of it (a short pool): no copy
                 slots, gens = self._pool_slots, self._pool_gens
-                self._pool_slots, self._pool_gens = [], []
+                self._pool_slots, self._pool_gens = _empty_pool()
             else:
                 slots, gens = self._pool_slots[:want], self._pool_gens[:want]
                 del self._pool_slots[:want], self._pool_gens[:want]
@@ -529,8 +536,8 @@ class ServingIndex:
             out = [s_ for s_ in self._pool_slots if s_ % nd == dev]
             if out:
                 keep = [(s_, g) for s_, g in zip(self._pool_slots, self._pool_gens) if s_ % nd != dev]
-                self._pool_slots[:] = [s_ for s_, _ in keep]
-                self._pool_gens[:] = [g for _, g in keep]
+                self._pool_slots = array.array("I", [s_ for s_, _ in keep])
+                self._pool_gens = array.array("Q", [g for _, g in keep])
         return out
 
     def _fence(self, dev: int, reason: str, removed: list[int]) -> None:
@@ -924,8 +931,8 @@ class ServingIndex:
 
     def _shutdown(self) -> None:
         with self._pool_lock:
-            pool = self._pool_slots
-            self._pool_slots, self._pool_gens = [], []
+            pool = self._pool_slots.tolist()
+            self._pool_slots, self._pool_gens = _empty_pool()
         if pool:
             self.index.abort(pool)
 

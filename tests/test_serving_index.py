@@ -429,6 +429,30 @@ def test_a_dry_pools_drops_are_counted_off_the_step_thread(tmp_path, path):
         st.close()
 
 
+def test_the_pool_hands_out_slots_as_machine_words(tmp_path):
+    """`take` slices the pool's arrays (no Python int per slot on the step thread), the
+    part and the whole of it; what it hands out commits and is found as any slot is."""
+    import array
+    st = make(tmp_path, 32)
+    ix = ServingIndex(st, pool_target=8)
+    try:
+        keys = [k(i) for i in range(12)]
+        a = ix.take(keys[:3])                   # a part: sliced
+        b = ix.take(keys[3:])                   # more than is left: the rest, whole
+        for slots, gens in (a, b):
+            assert isinstance(slots, array.array) and slots.typecode == "I"
+            assert isinstance(gens, array.array) and gens.typecode == "Q"
+        assert len(a[0]) == 3 and len(b[0]) == 5 and len(set(a[0]) | set(b[0])) == 8
+        items = list(zip(keys[:8], list(a[0]) + list(b[0]), list(a[1]) + list(b[1])))
+        ix.commit(items)
+        ix.flush()
+        assert [(s_, g) for s_, g in zip(*ix.lookup_pin(keys[:8]))] == [x[1:] for x in items]
+        assert len(ix.pooled()) == 8            # refilled with fresh slots
+    finally:
+        ix.close()
+        st.close()
+
+
 def test_sync_baseline_has_the_same_interface(tmp_path):
     st = make(tmp_path, 32)
     ix = SyncServingIndex(st)

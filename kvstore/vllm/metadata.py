@@ -45,8 +45,8 @@ class StoreJob:
     job_id: int
     block_ids: list[int]       # GPU blocks to copy out (this step's forward wrote them)
     keys: list[bytes]
-    slots: list[int]
-    generations: list[int]
+    slots: Sequence[int]            # arrays "I" / "Q" from the slot pool, or lists
+    generations: Sequence[int]
     hashes: list[bytes] = field(default_factory=list)
     groups: list[tuple[int, int]] = field(default_factory=list)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +38,8 @@ class InflightStore:
     `keys`, then the blocks of `packed` (vLLM hashes and (group, count) runs, as in
     `StoreJob`; their keys are made by the index thread)."""
     keys: list[bytes]
-    slots: list[int]
-    generations: list[int]
+    slots: Sequence[int]            # arrays "I" / "Q" from the slot pool, or lists
+    generations: Sequence[int]
     origins: list                   # (token ids, parent hash) per block, for BlockStored events
     started: float
     packed: tuple | None = None
