@@ -277,8 +277,14 @@ def test_a_short_pool_plans_only_what_it_can_take(tmp_path):
     ps = prompts(75, 2, 6 * BS + 5)
     with kv_harness(tmp_path / "store", extra={"slot_pool": 3}) as h:
         s = sched(h)
-        cuts = []
+        cuts, counts = [], []
         orig_cut = _Plan.cut
+        orig_count = s.index.count_dropped
+
+        def count_dropped(hashes, first, stop, *rest):     # queued only when non-empty
+            counts.append((first, min(stop, len(hashes))))
+            return orig_count(hashes, first, stop, *rest)
+        s.index.count_dropped = count_dropped
 
         def cut(self, n):
             cuts.append(n)
@@ -296,6 +302,7 @@ def test_a_short_pool_plans_only_what_it_can_take(tmp_path):
             h.run(ps[1:], max_tokens=1)         # plans nothing, drops all 6 (counted)
             settle(h)
             assert cuts == [] and conn_stats(h)["store_dropped_blocks"] == 3 + 6
+            assert counts and all(a < b for a, b in counts), counts
             assert not s._storing_keys
             s.index.flush()
             assert len(s.index.pooled()) == 3   # refilled on the dry pool's request

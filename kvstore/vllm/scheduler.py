@@ -480,7 +480,7 @@ class KVStoreScheduler:
         pool_room = plan.pool - plan.count if adm is None else room
         walk = min(room, pool_room)
         if walk <= 0:       # the pool is dry
-            self._count_dropped(plan, req, first, stop, g)
+            self._count_dropped(req, first, stop, g)
             return stop
         k, b, idx = self.index.plan_new(req.block_hashes, first, stop, blocks,
                                         self._storing_keys, walk, g, packed)
@@ -488,7 +488,7 @@ class KVStoreScheduler:
             cursor = stop
         elif pool_room < room:      # the pool ran short: the rest is dropped, not resumed
             cursor = stop
-            self._count_dropped(plan, req, idx[-1] + 1, stop, g)
+            self._count_dropped(req, idx[-1] + 1, stop, g)
         else:                       # the step's limit: resumed after its last block
             cursor = idx[-1] + 1
         if adm is not None:     # first sightings are left out
@@ -505,9 +505,11 @@ class KVStoreScheduler:
             plan.origins += [self._origin(req, i) for i in idx]
         return cursor
 
-    def _count_dropped(self, plan: "_Plan", req, first: int, stop: int, g: int) -> None:
+    def _count_dropped(self, req, first: int, stop: int, g: int) -> None:
         """Blocks first..stop of req are dropped (the pool is short): the index thread
         counts the new ones into `store_dropped_blocks` (a "counted" event)."""
+        if first >= min(stop, len(req.block_hashes)):
+            return
         self._counting += 1
         try:
             self.index.count_dropped(req.block_hashes, first, stop, self._storing_keys, g)
