@@ -140,6 +140,20 @@ def drop_gpu_cache(h) -> None:
     assert len(h.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block) == 0
 
 
+def record_dropped_counts(h) -> list[tuple[int, int]]:
+    """The (first, stop) ranges the scheduler queues to the index thread's dry-pool count
+    from now on (stop clipped to the hash list), as a list that fills as they are queued."""
+    counts: list[tuple[int, int]] = []
+    ix = sched(h).index
+    orig = ix.count_dropped
+
+    def count_dropped(hashes, first, stop, *rest):
+        counts.append((first, min(stop, len(hashes))))
+        return orig(hashes, first, stop, *rest)
+    ix.count_dropped = count_dropped
+    return counts
+
+
 def conn_stats(h) -> dict:
     """Sum of the kv_connector_stats vLLM published so far (scheduler + workers)."""
     out: dict = {}

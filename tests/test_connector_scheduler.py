@@ -9,7 +9,7 @@ import pytest
 
 from connector_util import (
     BS, SLOT, Gate, conn_stats, drop_gpu_cache, event_hash, keys_of, kv_config, kv_harness,
-    loads_ok, open_fds, prompts, sched, set_injector, settle, workers,
+    loads_ok, open_fds, prompts, record_dropped_counts, sched, set_injector, settle, workers,
 )
 from kvstore.errors import ConfigError, LayoutMismatch
 
@@ -116,12 +116,7 @@ def test_lru_eviction_spares_pinned_blocks(tmp_path):
     # 8 slots for data + a pool of 4 reserved slots
     with kv_harness(store, kv_events=True, extra={"capacity": 12 * SLOT, "slot_pool": 4}) as h:
         assert sched(h).store.stats()["capacity_slots"] == 12
-        counts, orig_count = [], sched(h).index.count_dropped
-
-        def count_dropped(hashes, first, stop, *rest):
-            counts.append((first, min(stop, len(hashes))))
-            return orig_count(hashes, first, stop, *rest)
-        sched(h).index.count_dropped = count_dropped
+        counts = record_dropped_counts(h)
         h.run([a], max_tokens=1)
         settle(h)
         h.run([b], max_tokens=1)

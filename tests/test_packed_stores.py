@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from connector_util import (conn_stats, drop_gpu_cache, keys_of, kv_harness, prompts, sched,
-                            settle, workers)
+from connector_util import (conn_stats, drop_gpu_cache, keys_of, kv_harness, prompts,
+                            record_dropped_counts, sched, settle, workers)
 from kvstore._keytable import KeySet, KeyTable, make_keys
 from kvstore.vllm.metadata import StoreJob, store_keys
 from kvstore.vllm.scheduler import _Plan, _split_runs
@@ -277,14 +277,9 @@ def test_a_short_pool_plans_only_what_it_can_take(tmp_path):
     ps = prompts(75, 2, 6 * BS + 5)
     with kv_harness(tmp_path / "store", extra={"slot_pool": 3}) as h:
         s = sched(h)
-        cuts, counts = [], []
+        cuts = []
         orig_cut = _Plan.cut
-        orig_count = s.index.count_dropped
-
-        def count_dropped(hashes, first, stop, *rest):     # queued only when non-empty
-            counts.append((first, min(stop, len(hashes))))
-            return orig_count(hashes, first, stop, *rest)
-        s.index.count_dropped = count_dropped
+        counts = record_dropped_counts(h)       # queued only when non-empty
 
         def cut(self, n):
             cuts.append(n)
