@@ -295,18 +295,26 @@ def warmup_cmd(store, prompts, from_store, model, capacity, engine_arg, all_bloc
 @click.option("--engines", default=1, show_default=True, type=click.IntRange(1, 16),
               help="Engine processes on the one store at once (each reported; the load phase "
                    "replays another engine's prompts). More than 1 skips the baseline.")
+@click.option("--thread-cpus", default=None, metavar="CPULIST",
+              help="The connector's thread_cpus: run kvstore's threads only on these CPUs "
+                   "(\"1\", \"6-7\"), as an operator who sets CPUs aside for them would.")
 @click.option("--json", "as_json", is_flag=True)
 def bench_connector(index_entries, requests, prompt_tokens, baseline, directory, plot_path,
-                    engines, as_json):
+                    engines, thread_cpus, as_json):
     """Connector time on vLLM's scheduler thread per step (p50/p99/max), store and load phases."""
     from kvstore.bench import connector_bench
+    from kvstore.threads import parse_cpus
+    try:
+        parse_cpus(thread_cpus)     # a bad list fails here, not after minutes of prefill
+    except KVStoreError as exc:
+        _fail(exc)
     if plot_path and not os.path.isdir(os.path.dirname(os.path.abspath(plot_path))):
         _fail(f"--plot {plot_path}: its directory does not exist (create it, or name another "
               "file); nothing was run")
     try:
         out = connector_bench.run(index_entries=index_entries, requests=requests,
                                   prompt_tokens=prompt_tokens, baseline=baseline and engines == 1,
-                                  workdir=directory, engines=engines)
+                                  workdir=directory, engines=engines, thread_cpus=thread_cpus)
     except (KVStoreError, OSError) as exc:
         _fail(exc)
     click.echo(json.dumps(out, indent=2) if as_json else connector_bench.format_table(out))

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from kvstore.errors import KVStoreError
+from kvstore.threads import make_thread
 
 # Parts started on one ring at once: a Ring keeps at most 8 batches active, and one is
 # left for a plain call (a header read, an fdatasync) run between pumps. Parts posted
@@ -32,12 +33,12 @@ MAX_STARTED = 7
 class DeviceStream:
     """The thread that owns one device's ring (see the module docstring)."""
 
-    def __init__(self, ring, name: str):
+    def __init__(self, ring, name: str, cpus: frozenset[int] | None = None):
         self.ring = ring
         self._items: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = make_thread(self._run, name, cpus)
         self._thread.start()
 
     def call(self, fn: Callable[[], Any]) -> Future:

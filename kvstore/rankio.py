@@ -32,6 +32,7 @@ from kvstore.device_stream import DeviceStream
 from kvstore.errors import AlignmentError, ConfigError, CorruptSlot, KVStoreError, StoreNotFound
 from kvstore.layout import HEADER_SIZE, Layout, check_layout, device_dirs, read_fingerprint
 from kvstore.staging import Staging
+from kvstore.threads import make_thread
 
 log = logging.getLogger("kvstore.rankio")
 
@@ -280,7 +281,7 @@ class RankIO:
                  io_mode: str = "direct", queue_depth: int = 32, staging_bytes: int = 64 << 20,
                  readonly: bool = False, staging: Staging | None = None,
                  missing_ok: bool = False, eio_limit: int = EIO_LIMIT,
-                 eio_window_s: float = EIO_WINDOW_S):
+                 eio_window_s: float = EIO_WINDOW_S, thread_cpus: frozenset[int] | None = None):
         _check_choice("io_mode", io_mode, IO_MODES)
         if missing_ok and not readonly:
             raise ConfigError("RankIO: missing_ok=True is only for readonly openers (fsck)")
@@ -291,6 +292,7 @@ class RankIO:
             raise ConfigError(f"rank {rank} out of range: store has tp_size={stored.tp_size}")
         self.store_dir = store_dir
         self.rank = rank
+        self.thread_cpus = thread_cpus   # where this rank's threads run (None: anywhere)
         self._direct = io_mode == "direct"
         self.layout = stored
         self.geometry = geo
@@ -487,8 +489,8 @@ class RankIO:
             if (running is not None and running.is_alive()) or now - self._probed_at[d] < PROBE_EVERY_S:
                 return
             self._probed_at[d] = now
-            t = threading.Thread(target=self._probe, args=(d, op), daemon=True,
-                                 name=f"kvstore-probe-dev{d}-r{self.rank}")
+            t = make_thread(self._probe, f"kvstore-probe-dev{d}-r{self.rank}",
+                            self.thread_cpus, (d, op))
             self._probes[d] = t
         t.start()
 
@@ -541,8 +543,8 @@ class RankIO:
                     running = self._patrols.get(d)
                     if running is not None and running.is_alive():
                         continue    # the last patrol has not returned (a slow or hung device)
-                    t = threading.Thread(target=self._patrol, args=(d,), daemon=True,
-                                         name=f"kvstore-patrol-dev{d}-r{self.rank}")
+                    t = make_thread(self._patrol, f"kvstore-patrol-dev{d}-r{self.rank}",
+                                    self.thread_cpus, (d,))
                     self._patrols[d] = t
                 t.start()
         return out
@@ -679,7 +681,8 @@ class RankIO:
                 # Two threads asking at once (a scan's two ring-op threads) must not build
                 # two sets: two threads would drive one ring.
                 if self._streams is None:
-                    self._streams = [DeviceStream(self.rings[d], f"kvstore-dev{d}-r{self.rank}")
+                    self._streams = [DeviceStream(self.rings[d], f"kvstore-dev{d}-r{self.rank}",
+                                                 self.thread_cpus)
                                      for d in range(self.ndev)]
                 streams = self._streams
         return streams

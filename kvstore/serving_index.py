@@ -54,6 +54,7 @@ from kvstore.errors import KVStoreError, StoreFull
 from kvstore.index import Entry
 from kvstore.layout import block_key
 from kvstore.shared import W_ATTACHED
+from kvstore.threads import make_thread
 
 log = logging.getLogger("kvstore.serving_index")
 
@@ -120,7 +121,7 @@ class ServingIndex:
     cross_hits = 0
 
     def __init__(self, store: DiskStore, *, pool_target: int = 1024, announce=None,
-                 probe_devices: str | None = None):
+                 probe_devices: str | None = None, thread_cpus: frozenset[int] | None = None):
         self.store = store
         # After a restart, every entry on disk is announced (KV events a router learns
         # from): `announce(keys)` makes a batch's events on the index thread, posted in
@@ -170,7 +171,7 @@ class ServingIndex:
         self.build_s = 0.0
         self._refill(sync=True)     # stores can start before the table is built
         self.index.pause = self._yield
-        self._thread = threading.Thread(target=self._run, name="kvstore-index", daemon=True)
+        self._thread = make_thread(self._run, "kvstore-index", thread_cpus)
         self._thread.start()
 
     # ------------------------------------------------------------------ step thread

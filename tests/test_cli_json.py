@@ -32,7 +32,7 @@ ARGS = {
     ("bench", "io"): ["--size", "8M", "--block-size", "128K", "--rounds", "1"],
     ("bench", "index"): ["--entries", "2000"],
     ("bench", "connector"): ["--index-entries", "1000", "--requests", "2", "--prompt-tokens",
-                             "64", "--no-baseline"],
+                             "64", "--no-baseline", "--thread-cpus", str(max(os.sched_getaffinity(0)))],
     ("bench", "soak"): ["--requests", "40", "--interval", "20"],
     ("bench", "peers"): ["--size", "16M", "--block-sizes", "128K", "--rounds", "1", "--samples",
                          "2", "--prefix-blocks", "16"],
@@ -100,3 +100,11 @@ def test_bench_index_refuses_sizes_its_commit_rounds_cannot_fill():
     assert "at least 1,000" in r.output and "[300]" in r.output
     r = CliRunner().invoke(main, ["bench", "index", "--entries", ","])
     assert r.exit_code != 0 and "names no size" in r.output
+
+
+def test_bench_connector_refuses_a_bad_cpu_list_before_it_prefills(tmp_path):
+    from click.testing import CliRunner
+    r = CliRunner().invoke(main, ["bench", "connector", "--thread-cpus", "0-", "--dir",
+                                  str(tmp_path)])
+    assert r.exit_code != 0 and "thread_cpus='0-'" in r.output and "taskset" in r.output
+    assert not os.listdir(tmp_path)     # nothing was prefilled

@@ -359,14 +359,43 @@ def test_plugin_registers_connector_by_name_idempotently(tmp_path):
     ({"path": "/x", "capacity": "lots"}, ["lots"]),
     ({"path": "/x", "device_eio_window_s": float("nan")}, ["device_eio_window_s", "positive"]),
     ({"path": "/x", "device_eio_limit": 0}, ["device_eio_limit", "1..1048576"]),
+    ({"path": "/x", "thread_cpus": "1-"}, ["thread_cpus", "'1-'", "taskset", "2-5,8"]),
+    ({"path": "/x", "thread_cpus": "3-1"}, ["thread_cpus", "CPU list"]),
+    ({"path": "/x", "thread_cpus": [True]}, ["thread_cpus", "list of CPU ids"]),
+    ({"path": "/x", "thread_cpus": []}, ["thread_cpus", "may run on"]),
+    ({"path": "/x", "thread_cpus": "100000"}, ["thread_cpus", "100000", "may not run on",
+                                                "affinity mask"]),
 ], ids=["io_mode", "unknown-key", "missing-path", "empty-path", "store_policy",
-        "queue_depth", "load_timeout_s", "capacity", "eio_window_nan", "eio_limit"])
+        "queue_depth", "load_timeout_s", "capacity", "eio_window_nan", "eio_limit",
+        "cpus_syntax", "cpus_backwards", "cpus_bool", "cpus_empty", "cpus_not_allowed"])
 def test_config_validation_names_the_key(extra, words):
     from kvstore.vllm.config import ConnectorConfig
     with pytest.raises(ConfigError) as ei:
         ConnectorConfig.from_extra_config(extra)
     for w in words:
         assert w in str(ei.value), (w, str(ei.value))
+
+
+def test_thread_cpus_pins_kvstores_threads_and_only_them(tmp_path):
+    """thread_cpus: the index thread, the I/O thread and the device streams run only on
+    the CPUs named; vLLM's step thread (here, the test's) keeps its mask; serving works."""
+    import threading
+    mine = os.sched_getaffinity(0)
+    cpu = max(mine)
+    ps = prompts(61, 2, 80)
+    with kv_harness(tmp_path / "store", extra={"thread_cpus": str(cpu)}) as h:
+        h.run(ps, max_tokens=1)
+        settle(h)
+    with kv_harness(tmp_path / "store", extra={"thread_cpus": [cpu]}) as h:   # a restart
+        st = h.run(ps, max_tokens=1)
+        settle(h)
+        assert st["external_hit_tokens"] > 0 and st["blocks_loaded"] > 0
+        names = {t.name: os.sched_getaffinity(t.native_id) for t in threading.enumerate()
+                 if t.name.startswith("kvstore-")}
+        assert {"kvstore-index", "kvstore-io-rank0", "kvstore-dev0-r0"} <= set(names), names
+        assert all(m == {cpu} for m in names.values()), names
+        assert os.sched_getaffinity(0) == mine
+    assert os.sched_getaffinity(0) == mine
 
 
 def test_bad_config_refuses_engine_start_without_leaking(tmp_path):

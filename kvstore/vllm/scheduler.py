@@ -91,7 +91,7 @@ class KVStoreScheduler:
                 self.index = ServingIndex(
                     self.store, pool_target=pool,
                     announce=self._announce_events if events_enabled else None,
-                    probe_devices=cfg.io_mode)
+                    probe_devices=cfg.io_mode, thread_cpus=cfg.thread_cpus)
             else:
                 self.index = SyncServingIndex(self.store, probe_devices=cfg.io_mode)
         except BaseException:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from kvstore.engine import ensure_store
 from kvstore.errors import KVStoreError
 from kvstore.rankio import RankIO, SlotRef
+from kvstore.threads import make_thread
 from kvstore.transfer import KVTransfer, check_groups_alias
 from kvstore.vllm.config import ConnectorConfig, carrier_group
 from kvstore.vllm.metadata import (KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob, StoreReport,
@@ -64,7 +65,8 @@ class KVStoreWorker:
                      data_dirs=cfg.data_dirs)
         self.io = RankIO(cfg.path, rank, layout=layout, io_mode=cfg.io_mode,
                          queue_depth=cfg.queue_depth, staging_bytes=cfg.staging_bytes,
-                         eio_limit=cfg.device_eio_limit, eio_window_s=cfg.device_eio_window_s)
+                         eio_limit=cfg.device_eio_limit, eio_window_s=cfg.device_eio_window_s,
+                         thread_cpus=cfg.thread_cpus)
         self.transfer = None
         try:
             # Several KV cache groups (a hybrid model: full attention, sliding window,
@@ -108,7 +110,7 @@ class KVStoreWorker:
         self._reported_devices: set[int] = set()   # failed devices already reported
         self._io_reported = self.io.io_bytes.copy()  # per device [read, written] reported
         self._errors_reported = self.io.io_errors.copy()   # per device failed ops reported
-        self._thread = threading.Thread(target=self._run, name=f"kvstore-io-rank{rank}", daemon=True)
+        self._thread = make_thread(self._run, f"kvstore-io-rank{rank}", cfg.thread_cpus)
         self._thread.start()
 
     # -- step hooks ------------------------------------------------------------------
