@@ -298,9 +298,12 @@ def warmup_cmd(store, prompts, from_store, model, capacity, engine_arg, all_bloc
 @click.option("--thread-cpus", default=None, metavar="CPULIST",
               help="The connector's thread_cpus: run kvstore's threads only on these CPUs "
                    "(\"1\", \"6-7\"), as an operator who sets CPUs aside for them would.")
+@click.option("--io-thread-nice", default=None, type=click.IntRange(0, 19),
+              help="The connector's io_thread_nice: how far below the index thread kvstore's "
+                   "I/O threads run (default: 19 with --thread-cpus, else 0).")
 @click.option("--json", "as_json", is_flag=True)
 def bench_connector(index_entries, requests, prompt_tokens, baseline, directory, plot_path,
-                    engines, thread_cpus, as_json):
+                    engines, thread_cpus, io_thread_nice, as_json):
     """Connector time on vLLM's scheduler thread per step (p50/p99/max), store and load phases."""
     from kvstore.bench import connector_bench
     from kvstore.threads import parse_cpus
@@ -314,7 +317,8 @@ def bench_connector(index_entries, requests, prompt_tokens, baseline, directory,
     try:
         out = connector_bench.run(index_entries=index_entries, requests=requests,
                                   prompt_tokens=prompt_tokens, baseline=baseline and engines == 1,
-                                  workdir=directory, engines=engines, thread_cpus=thread_cpus)
+                                  workdir=directory, engines=engines, thread_cpus=thread_cpus,
+                                  io_thread_nice=io_thread_nice)
     except (KVStoreError, OSError) as exc:
         _fail(exc)
     click.echo(json.dumps(out, indent=2) if as_json else connector_bench.format_table(out))

@@ -33,12 +33,12 @@ MAX_STARTED = 7
 class DeviceStream:
     """The thread that owns one device's ring (see the module docstring)."""
 
-    def __init__(self, ring, name: str, cpus: frozenset[int] | None = None):
+    def __init__(self, ring, name: str, cpus: frozenset[int] | None = None, nice: int = 0):
         self.ring = ring
         self._items: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
-        self._thread = make_thread(self._run, name, cpus)
+        self._thread = make_thread(self._run, name, cpus, nice=nice)
         self._thread.start()
 
     def call(self, fn: Callable[[], Any]) -> Future:

@@ -281,7 +281,8 @@ class RankIO:
                  io_mode: str = "direct", queue_depth: int = 32, staging_bytes: int = 64 << 20,
                  readonly: bool = False, staging: Staging | None = None,
                  missing_ok: bool = False, eio_limit: int = EIO_LIMIT,
-                 eio_window_s: float = EIO_WINDOW_S, thread_cpus: frozenset[int] | None = None):
+                 eio_window_s: float = EIO_WINDOW_S, thread_cpus: frozenset[int] | None = None,
+                 thread_nice: int = 0):
         _check_choice("io_mode", io_mode, IO_MODES)
         if missing_ok and not readonly:
             raise ConfigError("RankIO: missing_ok=True is only for readonly openers (fsck)")
@@ -293,6 +294,7 @@ class RankIO:
         self.store_dir = store_dir
         self.rank = rank
         self.thread_cpus = thread_cpus   # where this rank's threads run (None: anywhere)
+        self.thread_nice = thread_nice   # and how much below the process's priority
         self._direct = io_mode == "direct"
         self.layout = stored
         self.geometry = geo
@@ -490,7 +492,7 @@ class RankIO:
                 return
             self._probed_at[d] = now
             t = make_thread(self._probe, f"kvstore-probe-dev{d}-r{self.rank}",
-                            self.thread_cpus, (d, op))
+                            self.thread_cpus, (d, op), self.thread_nice)
             self._probes[d] = t
         t.start()
 
@@ -544,7 +546,7 @@ class RankIO:
                     if running is not None and running.is_alive():
                         continue    # the last patrol has not returned (a slow or hung device)
                     t = make_thread(self._patrol, f"kvstore-patrol-dev{d}-r{self.rank}",
-                                    self.thread_cpus, (d,))
+                                    self.thread_cpus, (d,), self.thread_nice)
                     self._patrols[d] = t
                 t.start()
         return out
@@ -682,7 +684,7 @@ class RankIO:
                 # two sets: two threads would drive one ring.
                 if self._streams is None:
                     self._streams = [DeviceStream(self.rings[d], f"kvstore-dev{d}-r{self.rank}",
-                                                 self.thread_cpus)
+                                                 self.thread_cpus, self.thread_nice)
                                      for d in range(self.ndev)]
                 streams = self._streams
         return streams

@@ -3,6 +3,7 @@ reservations, LRU eviction, commits, reset, events, stats) through the real vLLM
 scheduler, plus the connector's start-up contract (config validation, layout checks,
 plugin registration). Every harness test ends with the leak checks of `kv_harness`.
 """
+import json
 import os
 
 import pytest
@@ -365,9 +366,12 @@ def test_plugin_registers_connector_by_name_idempotently(tmp_path):
     ({"path": "/x", "thread_cpus": []}, ["thread_cpus", "may run on"]),
     ({"path": "/x", "thread_cpus": "100000"}, ["thread_cpus", "100000", "may not run on",
                                                 "affinity mask"]),
+    ({"path": "/x", "io_thread_nice": 20}, ["io_thread_nice", "0..19"]),
+    ({"path": "/x", "io_thread_nice": True}, ["io_thread_nice", "0..19"]),
 ], ids=["io_mode", "unknown-key", "missing-path", "empty-path", "store_policy",
         "queue_depth", "load_timeout_s", "capacity", "eio_window_nan", "eio_limit",
-        "cpus_syntax", "cpus_backwards", "cpus_bool", "cpus_empty", "cpus_not_allowed"])
+        "cpus_syntax", "cpus_backwards", "cpus_bool", "cpus_empty", "cpus_not_allowed",
+        "nice_range", "nice_bool"])
 def test_config_validation_names_the_key(extra, words):
     from kvstore.vllm.config import ConnectorConfig
     with pytest.raises(ConfigError) as ei:
@@ -378,24 +382,49 @@ def test_config_validation_names_the_key(extra, words):
 
 def test_thread_cpus_pins_kvstores_threads_and_only_them(tmp_path):
     """thread_cpus: the index thread, the I/O thread and the device streams run only on
-    the CPUs named; vLLM's step thread (here, the test's) keeps its mask; serving works."""
+    the CPUs named, the I/O threads below the index thread's priority (io_thread_nice: 19
+    by default there, 0 without thread_cpus); vLLM's step thread (here, the test's) keeps
+    its mask and priority; serving works."""
     import threading
     mine = os.sched_getaffinity(0)
+    me = threading.get_native_id()
+    base = os.getpriority(os.PRIO_PROCESS, me)
     cpu = max(mine)
     ps = prompts(61, 2, 80)
-    with kv_harness(tmp_path / "store", extra={"thread_cpus": str(cpu)}) as h:
+
+    def kv_threads():
+        return {t.name: (os.sched_getaffinity(t.native_id),
+                         os.getpriority(os.PRIO_PROCESS, t.native_id))
+                for t in threading.enumerate() if t.name.startswith("kvstore-")}
+
+    with kv_harness(tmp_path / "store") as h:        # neither set: as the process
         h.run(ps, max_tokens=1)
         settle(h)
+        ts = kv_threads()
+        assert {"kvstore-index", "kvstore-io-rank0"} <= set(ts), ts
+        assert all(v == (mine, base) for v in ts.values()), ts
     with kv_harness(tmp_path / "store", extra={"thread_cpus": [cpu]}) as h:   # a restart
         st = h.run(ps, max_tokens=1)
         settle(h)
         assert st["external_hit_tokens"] > 0 and st["blocks_loaded"] > 0
-        names = {t.name: os.sched_getaffinity(t.native_id) for t in threading.enumerate()
-                 if t.name.startswith("kvstore-")}
-        assert {"kvstore-index", "kvstore-io-rank0", "kvstore-dev0-r0"} <= set(names), names
-        assert all(m == {cpu} for m in names.values()), names
+        ts = kv_threads()
+        assert {"kvstore-index", "kvstore-io-rank0", "kvstore-dev0-r0"} <= set(ts), ts
+        assert all(m == {cpu} for m, _ in ts.values()), ts
+        assert ts["kvstore-index"][1] == base
+        assert ts["kvstore-io-rank0"][1] == ts["kvstore-dev0-r0"][1] == min(19, base + 19), ts
         assert os.sched_getaffinity(0) == mine
+        assert os.getpriority(os.PRIO_PROCESS, me) == base
     assert os.sched_getaffinity(0) == mine
+    assert os.getpriority(os.PRIO_PROCESS, me) == base
+
+
+def test_io_thread_nice_defaults_to_19_only_on_cpus_set_aside():
+    from kvstore.vllm.config import ConnectorConfig
+    cpu = str(max(os.sched_getaffinity(0)))
+    nice = {json.dumps(extra): ConnectorConfig.from_extra_config({"path": "/x", **extra}).io_thread_nice
+            for extra in ({}, {"thread_cpus": cpu}, {"thread_cpus": cpu, "io_thread_nice": 0},
+                          {"io_thread_nice": 7})}
+    assert list(nice.values()) == [0, 19, 0, 7], nice
 
 
 def test_bad_config_refuses_engine_start_without_leaking(tmp_path):

@@ -366,8 +366,9 @@ def _several(common: dict, sets: list[list], n: int) -> list[dict]:
 
 def run(index_entries: int = 1_000_000, requests: int = 48, prompt_tokens: int = 8192,
         baseline: bool = True, workdir: str | None = None, engines: int = 1,
-        thread_cpus: str | None = None) -> dict:
+        thread_cpus: str | None = None, io_thread_nice: int | None = None) -> dict:
     from kvstore.testing import EngineHarness
+    from kvstore.threads import io_nice, parse_cpus
     tmp = tempfile.TemporaryDirectory(prefix="kvstore-bench-conn-", dir=workdir)
     d = tmp.name
     store = os.path.join(d, "store")
@@ -377,6 +378,8 @@ def run(index_entries: int = 1_000_000, requests: int = 48, prompt_tokens: int =
                                          "store_policy": "eager"}}
     if thread_cpus is not None:
         cfg["kv_connector_extra_config"]["thread_cpus"] = thread_cpus
+    if io_thread_nice is not None:
+        cfg["kv_connector_extra_config"]["io_thread_nice"] = io_thread_nice
     per_step = 8192
     ntok = prompt_tokens + BLOCK_SIZE // 2
     rng = random.Random(3)
@@ -389,7 +392,8 @@ def run(index_entries: int = 1_000_000, requests: int = 48, prompt_tokens: int =
                   workdir=d, verify=False)
     out: dict = {"index_entries": index_entries, "requests": requests,
                  "prompt_tokens": prompt_tokens, "tokens_per_step": per_step,
-                 "thread_cpus": thread_cpus, "cpus": len(os.sched_getaffinity(0))}
+                 "thread_cpus": thread_cpus, "cpus": len(os.sched_getaffinity(0)),
+                 "io_thread_nice": io_nice(parse_cpus(thread_cpus), io_thread_nice)}
     try:
         with EngineHarness(**common):           # creates the store (its layout)
             pass
@@ -419,7 +423,8 @@ def format_table(r: dict) -> str:
     lines = [f"kvstore bench connector: index prefilled with {r['index_entries']:,} entries "
              f"(full: every store evicts), {r['requests']} prompts of {r['prompt_tokens']} tokens, "
              f"{r['tokens_per_step']} tokens per step; {r['cpus']} CPUs, kvstore's threads on "
-             + (f"CPUs {r['thread_cpus']} (thread_cpus)" if r.get("thread_cpus") else "any"),
+             + (f"CPUs {r['thread_cpus']} (thread_cpus)" if r.get("thread_cpus") else "any")
+             + f", its I/O threads at nice +{r.get('io_thread_nice', 0)}",
              f"engine open {r['engine_open_s']:.2f} s; lookup table built in the background in "
              f"{r['table_build_s']:.2f} s",
              "connector time on the scheduler thread per step (ms):",

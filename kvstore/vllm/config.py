@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
 from kvstore.layout import Layout, block_key, parse_size  # noqa: F401 (block_key: re-exported)
-from kvstore.threads import parse_cpus
+from kvstore.threads import io_nice, parse_cpus
 
 DETERMINISTIC_HASHES = ("sha256", "sha256_cbor")
 
@@ -38,6 +38,7 @@ class ConnectorConfig:
     device_eio_limit: int = 10        # EIOs within device_eio_window_s that fence a device
     device_eio_window_s: float = 600.0
     thread_cpus: frozenset[int] | None = None   # CPUs kvstore's threads run on (None: any)
+    io_thread_nice: int = 0           # nice increment of kvstore's I/O threads (kvstore.threads)
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "ConnectorConfig":
@@ -45,7 +46,7 @@ class ConnectorConfig:
         known = {"path", "capacity", "io_mode", "queue_depth", "store_policy", "verify",
                  "durability", "staging", "load_timeout_s", "max_store_blocks_per_step", "create",
                  "index_thread", "slot_pool", "data_dirs", "admission", "admission_window",
-                 "device_eio_limit", "device_eio_window_s", "thread_cpus"}
+                 "device_eio_limit", "device_eio_window_s", "thread_cpus", "io_thread_nice"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kvstore: unknown kv_connector_extra_config key(s) {unknown}; "
@@ -83,6 +84,7 @@ class ConnectorConfig:
         index_thread = extra.get("index_thread", True)
         if not isinstance(index_thread, bool):
             raise ConfigError(f"kvstore: index_thread={index_thread!r} must be true or false")
+        thread_cpus = parse_cpus(extra.get("thread_cpus"))
         return cls(
             path=os.path.abspath(os.path.expanduser(path)),
             capacity=capacity,
@@ -103,7 +105,9 @@ class ConnectorConfig:
             admission_window=integer("admission_window", 1 << 20, 16, 1 << 28),
             device_eio_limit=integer("device_eio_limit", 10, 1, 1 << 20),
             device_eio_window_s=seconds("device_eio_window_s", 600.0),
-            thread_cpus=parse_cpus(extra.get("thread_cpus")),
+            thread_cpus=thread_cpus,
+            io_thread_nice=io_nice(thread_cpus, None if extra.get("io_thread_nice") is None
+                                   else integer("io_thread_nice", None, 0, 19)),
         )
 
 

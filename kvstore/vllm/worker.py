@@ -66,7 +66,7 @@ class KVStoreWorker:
         self.io = RankIO(cfg.path, rank, layout=layout, io_mode=cfg.io_mode,
                          queue_depth=cfg.queue_depth, staging_bytes=cfg.staging_bytes,
                          eio_limit=cfg.device_eio_limit, eio_window_s=cfg.device_eio_window_s,
-                         thread_cpus=cfg.thread_cpus)
+                         thread_cpus=cfg.thread_cpus, thread_nice=cfg.io_thread_nice)
         self.transfer = None
         try:
             # Several KV cache groups (a hybrid model: full attention, sliding window,
@@ -110,7 +110,8 @@ class KVStoreWorker:
         self._reported_devices: set[int] = set()   # failed devices already reported
         self._io_reported = self.io.io_bytes.copy()  # per device [read, written] reported
         self._errors_reported = self.io.io_errors.copy()   # per device failed ops reported
-        self._thread = make_thread(self._run, f"kvstore-io-rank{rank}", cfg.thread_cpus)
+        self._thread = make_thread(self._run, f"kvstore-io-rank{rank}", cfg.thread_cpus,
+                                   nice=cfg.io_thread_nice)
         self._thread.start()
 
     # -- step hooks ------------------------------------------------------------------
