@@ -1,12 +1,12 @@
-"""kvstore's own threads, and the CPUs they may run on (`thread_cpus`, docs/CONFIG.md).
+"""kvstore's own threads: the CPUs they may run on (`thread_cpus`) and the priority of the
+I/O threads (`io_thread_nice`), docs/CONFIG.md.
 
-vLLM's step thread schedules every running request's next token; on a machine with few
-cores, kvstore's index thread, I/O threads and device streams take turns on the same CPUs
-and the kernel preempts the step thread mid-call (issue 14: run-queue delay, not code, was
-most of the step thread's wall time over its own CPU time). `thread_cpus` confines
-kvstore's threads to CPUs the operator sets aside, as storage engines take a core mask
-(SPDK's `-m`, vLLM CPU's `VLLM_CPU_OMP_THREADS_BIND`). vLLM's own threads are never
-touched: only a thread started here is pinned, by itself, as it starts.
+`thread_cpus` confines kvstore's threads to CPUs the operator sets aside, as storage
+engines take a core mask (SPDK's `-m`; vLLM's CPU build binds its OpenMP threads with
+`VLLM_CPU_OMP_THREADS_BIND`), so they never take a CPU vLLM's engine is using. vLLM's own
+threads are never touched: only a thread started here is pinned, by itself, as it starts.
+Pinning alone does not shorten vLLM's steps (issue 14, docs/benchmarks.md stop 29): the
+priority below does.
 
 `io_thread_nice` lowers the CPU priority of kvstore's I/O threads (each rank's I/O thread,
 device streams, probes, patrols) below the index thread's, as RocksDB runs its background
@@ -14,8 +14,8 @@ threads at `CpuPriority::kLow` (nice 19). The index thread holds the GIL, which 
 thread needs; the I/O threads spend their CPU in C without it (checksums, copies, io_uring
 waits). On a shared CPU the kernel would preempt the index thread in the middle of a GIL
 hold to run an I/O thread, and vLLM's step thread then waits on the GIL until the index
-thread runs again (issue 14: 0.3-2 ms). At a lower priority an I/O thread never preempts
-it (CFS wakeup preemption goes the other way); the I/O threads still get every CPU cycle
+thread runs again (issue 14: 0.3-2 ms). At nice 19 (a CFS weight of 15 against the index
+thread's 1024) an I/O thread almost never preempts it; the I/O threads still get every CPU cycle
 nobody else wants.
 """
 from __future__ import annotations
