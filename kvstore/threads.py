@@ -87,26 +87,21 @@ def make_thread(target: Callable, name: str, cpus: frozenset[int] | None = None,
         if cpus:
             os.sched_setaffinity(0, cpus)
         if nice > 0:
-            lower_priority(nice)
+            _lower_priority(nice)
         target(*args)
     return threading.Thread(target=run, name=name, daemon=True)
 
 
-def lower_priority(nice: int) -> int:
-    """Add `nice` to the calling thread's nice value (at most 19; on Linux a thread's nice
+def _lower_priority(nice: int) -> None:
+    """Add `nice` to the calling thread's nice value, at most 19 (on Linux a thread's nice
     value is its own: setpriority on its thread id). Lowering needs no privilege; a system
-    that refuses it (a seccomp filter) leaves the thread as it was. Returns the thread's
-    nice value."""
+    that refuses it (a seccomp filter) leaves the thread as it was, with a warning."""
     tid = threading.get_native_id()
     try:
-        now = os.getpriority(os.PRIO_PROCESS, tid)
-        if nice > 0 and now < 19:
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, now + nice))
-        return os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except OSError as exc:
         log.warning("kvstore: could not lower the priority of thread %s (%s); it runs at the "
                     "process's priority", threading.current_thread().name, exc)
-        return 0
 
 
 def io_nice(thread_cpus: frozenset[int] | None, io_thread_nice: int | None) -> int:
