@@ -32,7 +32,7 @@ log = logging.getLogger("kvstore.threads")
 
 def parse_cpus(value, allowed: Iterable[int] | None = None) -> frozenset[int] | None:
     """CPU ids from a Linux CPU list ("6", "2-5,8", as taskset -c and cgroups write it),
-    a list of ints, or None (no pinning). Every CPU must be one this process may run on
+    a CPU id, a list of them, or None (no pinning). Every CPU must be one this process may run on
     (`allowed`, default its affinity mask): a mask of CPUs it cannot use would leave
     kvstore's threads nowhere to run."""
     if value is None:
@@ -46,12 +46,14 @@ def parse_cpus(value, allowed: Iterable[int] | None = None) -> frozenset[int] | 
                     f"kvstore: thread_cpus={value!r} is not a CPU list; write it as taskset "
                     f"-c does, e.g. \"6\", \"6-7\" or \"2-5,8\"")
             cpus.update(range(int(lo), int(hi if sep else lo) + 1))
+    elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        cpus.add(value)             # "thread_cpus": 6, one CPU
     elif isinstance(value, (list, tuple)) and all(
             isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in value):
         cpus.update(value)
     else:
         raise ConfigError(f"kvstore: thread_cpus={value!r} must be a CPU list string "
-                          f"(\"6-7\") or a list of CPU ids ([6, 7])")
+                          f"(\"6-7\"), a CPU id (6) or a list of CPU ids ([6, 7])")
     allowed = frozenset(os.sched_getaffinity(0) if allowed is None else allowed)
     where = (f"this process may run on {format_cpus(allowed)} (its affinity mask: taskset, "
              f"cgroup cpusets). Pick CPUs from those, or leave thread_cpus unset")

@@ -363,6 +363,7 @@ def test_plugin_registers_connector_by_name_idempotently(tmp_path):
     ({"path": "/x", "thread_cpus": "1-"}, ["thread_cpus", "'1-'", "taskset", "2-5,8"]),
     ({"path": "/x", "thread_cpus": "3-1"}, ["thread_cpus", "CPU list"]),
     ({"path": "/x", "thread_cpus": [True]}, ["thread_cpus", "list of CPU ids"]),
+    ({"path": "/x", "thread_cpus": -1}, ["thread_cpus", "a CPU id (6)"]),
     ({"path": "/x", "thread_cpus": []}, ["thread_cpus", "may run on"]),
     ({"path": "/x", "thread_cpus": "100000"}, ["thread_cpus", "100000", "may not run on",
                                                 "affinity mask"]),
@@ -370,7 +371,7 @@ def test_plugin_registers_connector_by_name_idempotently(tmp_path):
     ({"path": "/x", "io_thread_nice": True}, ["io_thread_nice", "0..19"]),
 ], ids=["io_mode", "unknown-key", "missing-path", "empty-path", "store_policy",
         "queue_depth", "load_timeout_s", "capacity", "eio_window_nan", "eio_limit",
-        "cpus_syntax", "cpus_backwards", "cpus_bool", "cpus_empty", "cpus_not_allowed",
+        "cpus_syntax", "cpus_backwards", "cpus_bool", "cpus_negative", "cpus_empty", "cpus_not_allowed",
         "nice_range", "nice_bool"])
 def test_config_validation_names_the_key(extra, words):
     from kvstore.vllm.config import ConnectorConfig
@@ -423,8 +424,10 @@ def test_io_thread_nice_defaults_to_19_only_on_cpus_set_aside():
     cpu = str(max(os.sched_getaffinity(0)))
     nice = {json.dumps(extra): ConnectorConfig.from_extra_config({"path": "/x", **extra}).io_thread_nice
             for extra in ({}, {"thread_cpus": cpu}, {"thread_cpus": cpu, "io_thread_nice": 0},
-                          {"io_thread_nice": 7})}
-    assert list(nice.values()) == [0, 19, 0, 7], nice
+                          {"io_thread_nice": 7}, {"thread_cpus": int(cpu)})}
+    assert list(nice.values()) == [0, 19, 0, 7, 19], nice
+    assert ConnectorConfig.from_extra_config(
+        {"path": "/x", "thread_cpus": int(cpu)}).thread_cpus == {int(cpu)}
 
 
 def test_bad_config_refuses_engine_start_without_leaking(tmp_path):
