@@ -84,14 +84,29 @@ def make_thread(target: Callable, name: str, cpus: frozenset[int] | None = None,
                 args: tuple = (), nice: int = 0) -> threading.Thread:
     """A daemon thread (not started) running target(*args); with `cpus`, the thread first
     pins itself to them, and with `nice` > 0 lowers its own priority by that much (capped
-    at 19). Both are the thread's own on Linux: the caller's mask and priority are unchanged."""
+    at 19). Both are the thread's own on Linux: the caller's mask and priority are unchanged.
+    The thread also names itself to the kernel ("kvstore-io-rank0" as "kvs-io-rank0": a
+    kernel name holds 15 bytes), so `top -H`, `ps -L` and /proc show which threads are
+    kvstore's."""
     def run():
+        _name_native(name)
         if cpus:
             os.sched_setaffinity(0, cpus)
         if nice > 0:
             _lower_priority(nice)
         target(*args)
     return threading.Thread(target=run, name=name, daemon=True)
+
+
+def _name_native(name: str) -> None:
+    """Set the calling thread's kernel name (`comm`, at most 15 bytes); best effort."""
+    if name.startswith("kvstore-"):
+        name = "kvs-" + name[len("kvstore-"):]
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
 
 
 def _lower_priority(nice: int) -> None:
@@ -106,12 +121,17 @@ def _lower_priority(nice: int) -> None:
                     "process's priority", threading.current_thread().name, exc)
 
 
-def io_nice(thread_cpus: frozenset[int] | None, io_thread_nice: int | None) -> int:
+def io_nice(thread_cpus: frozenset[int] | None, io_thread_nice: int | None,
+            forward_on_host: bool) -> int:
     """The nice increment of kvstore's I/O threads: `io_thread_nice`, or when it is not set
-    (None), 19 with `thread_cpus` (the CPUs set aside for kvstore: there the I/O threads
-    only yield to the index thread) and 0 without (on CPUs shared with vLLM, whose CPU
-    build runs a forward pass on every core, a nice-19 I/O thread would wait for the end of
-    each forward to serve a load)."""
+    (None), 19 unless vLLM's forward pass runs on this host's CPUs (`forward_on_host`:
+    vLLM's CPU build) on CPUs kvstore shares with it. With GPUs the forward leaves the CPUs
+    alone, and what competes with the I/O threads for them is vLLM's step thread and
+    kvstore's index thread, both of which must win (issue 14). On CPUs set aside
+    (`thread_cpus`) the I/O threads only compete with the index thread. On the CPU build's
+    shared cores they compete with the forward's OpenMP threads, one per core at nice 0:
+    at nice 19 a load's checksums and copies would get about 1.5% of a core while a
+    forward runs, so they stay at the process's priority there."""
     if io_thread_nice is not None:
         return io_thread_nice
-    return 19 if thread_cpus else 0
+    return 0 if forward_on_host and not thread_cpus else 19

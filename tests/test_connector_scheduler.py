@@ -384,8 +384,8 @@ def test_config_validation_names_the_key(extra, words):
 def test_thread_cpus_pins_kvstores_threads_and_only_them(tmp_path):
     """thread_cpus: the index thread, the I/O thread and the device streams run only on
     the CPUs named, the I/O threads below the index thread's priority (io_thread_nice: 19
-    by default there, 0 without thread_cpus); vLLM's step thread (here, the test's) keeps
-    its mask and priority; serving works."""
+    by default with vLLM's GPU build, set to 0 first); vLLM's step thread (here, the
+    test's) keeps its mask and priority; serving works."""
     import threading
     mine = os.sched_getaffinity(0)
     me = threading.get_native_id()
@@ -398,7 +398,7 @@ def test_thread_cpus_pins_kvstores_threads_and_only_them(tmp_path):
                          os.getpriority(os.PRIO_PROCESS, t.native_id))
                 for t in threading.enumerate() if t.name.startswith("kvstore-")}
 
-    with kv_harness(tmp_path / "store") as h:        # neither set: as the process
+    with kv_harness(tmp_path / "store", extra={"io_thread_nice": 0}) as h:   # as the process
         h.run(ps, max_tokens=1)
         settle(h)
         ts = kv_threads()
@@ -419,13 +419,23 @@ def test_thread_cpus_pins_kvstores_threads_and_only_them(tmp_path):
     assert os.getpriority(os.PRIO_PROCESS, me) == base
 
 
-def test_io_thread_nice_defaults_to_19_only_on_cpus_set_aside():
+def test_io_thread_nice_default_follows_where_the_forward_runs():
+    """19 unless vLLM's forward runs on the host's CPUs (its CPU build) on CPUs kvstore
+    shares with it; an explicit value always wins. This venv has vLLM's GPU build (the
+    forward is not on the host); the CPU build's default is checked inside the real engine
+    (tests/e2e/test_real_engine.py::test_identical_tokens_cold_and_after_restart)."""
+    from kvstore.threads import io_nice
     from kvstore.vllm.config import ConnectorConfig
+    cpus = frozenset({0})
+    assert [io_nice(None, None, True), io_nice(cpus, None, True), io_nice(None, None, False),
+            io_nice(cpus, None, False), io_nice(None, 7, True), io_nice(cpus, 0, False)] \
+        == [0, 19, 19, 19, 7, 0]
+    assert ConnectorConfig.forward_on_host() is False
     cpu = str(max(os.sched_getaffinity(0)))
     nice = {json.dumps(extra): ConnectorConfig.from_extra_config({"path": "/x", **extra}).io_thread_nice
             for extra in ({}, {"thread_cpus": cpu}, {"thread_cpus": cpu, "io_thread_nice": 0},
                           {"io_thread_nice": 7}, {"thread_cpus": int(cpu)})}
-    assert list(nice.values()) == [0, 19, 0, 7, 19], nice
+    assert list(nice.values()) == [19, 19, 0, 7, 19], nice
     assert ConnectorConfig.from_extra_config(
         {"path": "/x", "thread_cpus": int(cpu)}).thread_cpus == {int(cpu)}
 

@@ -369,6 +369,7 @@ def run(index_entries: int = 1_000_000, requests: int = 48, prompt_tokens: int =
         thread_cpus: str | None = None, io_thread_nice: int | None = None) -> dict:
     from kvstore.testing import EngineHarness
     from kvstore.threads import io_nice, parse_cpus
+    from kvstore.vllm.config import ConnectorConfig
     tmp = tempfile.TemporaryDirectory(prefix="kvstore-bench-conn-", dir=workdir)
     d = tmp.name
     store = os.path.join(d, "store")
@@ -393,7 +394,8 @@ def run(index_entries: int = 1_000_000, requests: int = 48, prompt_tokens: int =
     out: dict = {"index_entries": index_entries, "requests": requests,
                  "prompt_tokens": prompt_tokens, "tokens_per_step": per_step,
                  "thread_cpus": thread_cpus, "cpus": len(os.sched_getaffinity(0)),
-                 "io_thread_nice": io_nice(parse_cpus(thread_cpus), io_thread_nice)}
+                 "io_thread_nice": io_nice(parse_cpus(thread_cpus), io_thread_nice,
+                                           ConnectorConfig.forward_on_host())}
     try:
         with EngineHarness(**common):           # creates the store (its layout)
             pass

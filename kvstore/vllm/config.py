@@ -40,6 +40,14 @@ class ConnectorConfig:
     thread_cpus: frozenset[int] | None = None   # CPUs kvstore's threads run on (None: any)
     io_thread_nice: int = 0           # nice increment of kvstore's I/O threads (kvstore.threads)
 
+    @staticmethod
+    def forward_on_host() -> bool:
+        """Whether vLLM's forward pass runs on this host's CPUs: vLLM's CPU build
+        (`current_platform.is_cpu()`), whose OpenMP threads take every core they are bound
+        to. It decides `io_thread_nice`'s default (kvstore.threads.io_nice)."""
+        from vllm.platforms import current_platform
+        return bool(current_platform.is_cpu())
+
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "ConnectorConfig":
         extra = dict(extra or {})
@@ -107,7 +115,8 @@ class ConnectorConfig:
             device_eio_window_s=seconds("device_eio_window_s", 600.0),
             thread_cpus=thread_cpus,
             io_thread_nice=io_nice(thread_cpus, None if extra.get("io_thread_nice") is None
-                                   else integer("io_thread_nice", None, 0, 19)),
+                                   else integer("io_thread_nice", None, 0, 19),
+                                   cls.forward_on_host()),
         )
 
 

@@ -23,6 +23,28 @@ LOGPROB_TOL = 1e-3
 MAX_TOKENS = 8
 
 
+def kvstore_threads(server: VLLMServer) -> dict[str, list[int]]:
+    """{kernel thread name: [nice of each such thread]} of kvstore's threads (named "kvs-...",
+    kvstore.threads.make_thread) in the server's processes (its session), from /proc."""
+    out: dict[str, list[int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) != server.proc.pid:
+                continue
+            stats = []
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    stats.append(f.read())
+        except OSError:                  # the process or a thread ended meanwhile
+            continue
+        for stat in stats:
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            if name.startswith("kvs-"):
+                # fields after the name start at field 3; nice is field 19
+                out.setdefault(name, []).append(int(stat[stat.rindex(")") + 2:].split()[16]))
+    return out
+
+
 class Serve:
     """Starts servers for one test; each is stopped (or found dead) at the end."""
 
