@@ -364,7 +364,7 @@ def _several(common: dict, sets: list[list], n: int) -> list[dict]:
     return out
 
 
-def run(index_entries: int = 1_000_000, requests: int = 48, prompt_tokens: int = 8192,
+def run(index_entries: int = 1_000_000, requests: int = 256, prompt_tokens: int = 8192,
         baseline: bool = True, workdir: str | None = None, engines: int = 1,
         thread_cpus: str | None = None, io_thread_nice: int | None = None) -> dict:
     from kvstore.testing import EngineHarness
