@@ -16,7 +16,11 @@ waits). On a shared CPU the kernel would preempt the index thread in the middle 
 hold to run an I/O thread, and vLLM's step thread then waits on the GIL until the index
 thread runs again (issue 14: 0.3-2 ms). At nice 19 (a CFS weight of 15 against the index
 thread's 1024) an I/O thread almost never preempts it; the I/O threads still get every CPU cycle
-nobody else wants.
+nobody else wants. That is the default, except where vLLM's forward pass itself runs on
+the host's cores (its CPU build, `io_nice`).
+
+Every thread started here names itself to the kernel ("kvs-index", "kvs-io-rank0"), so an
+operator sees kvstore's threads and their priority in `top -H` or `ps -L`.
 """
 from __future__ import annotations
 
