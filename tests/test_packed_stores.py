@@ -47,6 +47,28 @@ def test_plan_new_packed_hands_back_vllms_hash_objects_and_claims_their_fingerpr
         a.plan_new(hashes, 0, 10, list(range(10)), set(), 10, 0, True)
 
 
+def test_plan_new_reads_vllms_block_objects_like_ids_across_batches():
+    """plan_new takes the request's KVCacheBlock objects (vLLM's, read ahead a batch at a
+    time) or ints, mixed: the same plan, the block ids as ints, with a limit that stops
+    mid-batch and with the walk starting and ending mid-batch."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    hashes = [os.urandom(32) for _ in range(300)]
+    blocks = [KVCacheBlock(5000 + i) for i in range(300)]
+    mixed = [b if i % 5 else b.block_id for i, b in enumerate(blocks)]
+    for start, stop, limit in ((0, 300, 1000), (7, 291, 1000), (3, 250, 45), (40, 41, 10)):
+        plans = []
+        for ids in (mixed, blocks, [b.block_id for b in blocks]):
+            t = KeyTable(1000)
+            for i in range(0, 300, 4):
+                t.put(hashes[i] + (0).to_bytes(4, "big"), i, 1)
+            plans.append(t.plan_new(hashes, start, stop, ids, KeySet(), limit, 0, True)[1:])
+        bids, idx = plans[0]
+        assert plans[0] == plans[1] == plans[2], (start, stop, limit)
+        assert bids == [5000 + i for i in idx] and all(type(x) is int for x in bids)
+        want = [i for i in range(start, stop) if i % 4][:limit]
+        assert idx == want, (start, stop, limit)
+
+
 def test_a_plan_cut_keeps_a_prefix_and_gives_back_the_keys_of_the_rest():
     hashes = [os.urandom(32) for _ in range(7)]
     made = [b"k" * 36, b"m" * 36]
