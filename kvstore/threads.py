@@ -134,8 +134,9 @@ def io_nice(thread_cpus: frozenset[int] | None, io_thread_nice: int | None,
     kvstore's index thread, both of which must win (issue 14). On CPUs set aside
     (`thread_cpus`) the I/O threads only compete with the index thread. On the CPU build's
     shared cores they compete with the forward's OpenMP threads, one per core at nice 0:
-    at nice 19 a load's checksums and copies would get about 1.5% of a core while a
-    forward runs, so they stay at the process's priority there."""
+    at nice 19 a load's checksums and copies get a sliver of a core while a forward runs
+    (a disk hit's TTFT with four requests decoding: 245 ms median at 0, 422-473 ms at 19,
+    docs/benchmarks.md stop 30), so they stay at the process's priority there."""
     if io_thread_nice is not None:
         return io_thread_nice
     return 0 if forward_on_host and not thread_cpus else 19
