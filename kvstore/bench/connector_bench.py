@@ -368,8 +368,6 @@ def run(index_entries: int = 1_000_000, requests: int = 256, prompt_tokens: int 
         baseline: bool = True, workdir: str | None = None, engines: int = 1,
         thread_cpus: str | None = None, io_thread_nice: int | None = None) -> dict:
     from kvstore.testing import EngineHarness
-    from kvstore.threads import io_nice, parse_cpus
-    from kvstore.vllm.config import ConnectorConfig
     tmp = tempfile.TemporaryDirectory(prefix="kvstore-bench-conn-", dir=workdir)
     d = tmp.name
     store = os.path.join(d, "store")
@@ -393,12 +391,11 @@ def run(index_entries: int = 1_000_000, requests: int = 256, prompt_tokens: int 
                   workdir=d, verify=False)
     out: dict = {"index_entries": index_entries, "requests": requests,
                  "prompt_tokens": prompt_tokens, "tokens_per_step": per_step,
-                 "thread_cpus": thread_cpus, "cpus": len(os.sched_getaffinity(0)),
-                 "io_thread_nice": io_nice(parse_cpus(thread_cpus), io_thread_nice,
-                                           ConnectorConfig.forward_on_host())}
+                 "thread_cpus": thread_cpus, "cpus": len(os.sched_getaffinity(0))}
     try:
-        with EngineHarness(**common):           # creates the store (its layout)
-            pass
+        with EngineHarness(**common) as h:      # creates the store (its layout)
+            # what the connector resolved (io_thread_nice's default depends on the platform)
+            out["io_thread_nice"] = h.scheduler_connector.cfg.io_thread_nice
         if index_entries:
             out.update(_prefill(store, index_entries))
         if engines > 1:
