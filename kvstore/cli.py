@@ -300,7 +300,8 @@ def warmup_cmd(store, prompts, from_store, model, capacity, engine_arg, all_bloc
                    "(\"1\", \"6-7\"), as an operator who sets CPUs aside for them would.")
 @click.option("--io-thread-nice", default=None, type=click.IntRange(0, 19),
               help="The connector's io_thread_nice: how far below the index thread kvstore's "
-                   "I/O threads run (default: 19 with --thread-cpus, else 0).")
+                   "I/O threads run (default: 19, or 0 where vLLM's forward runs on these CPUs: "
+                   "its CPU build without --thread-cpus).")
 @click.option("--json", "as_json", is_flag=True)
 def bench_connector(index_entries, requests, prompt_tokens, baseline, directory, plot_path,
                     engines, thread_cpus, io_thread_nice, as_json):

@@ -33,6 +33,7 @@ by `reserve_pool`'s claim.
 
 from __future__ import annotations
 
+import array
 import errno
 import logging
 import os
@@ -871,30 +872,34 @@ class Index:
         return out, evicted
 
     @_guard
-    def reserve_pool(self, n: int, claim) -> tuple[list[tuple[int, int]], list[Entry]]:
+    def reserve_pool(self, n: int, claim) -> tuple[array.array, array.array, list[bytes]]:
         """Reserve up to n slots for keys not known yet (the scheduler's slot pool); one
         write txn, never an fsync. Slots come from the free list, then never-used slots,
         then by evicting LRU entries. `claim(candidates)` decides which may be taken: it gets
         [(key or None, slot)] (None for a free slot) and returns the set of slots it gives
         up (the serving index drops evicted keys from its lookup table there, and refuses
         pinned slots). Each slot gets a fresh generation; its `reserved` row holds only the
-        generation until `commit` names the key. Returns ([(slot, generation)], evicted
-        entries); fewer than n slots when nothing more can be taken (no StoreFull)."""
+        generation until `commit` names the key. Returns (slots, their generations, the
+        evicted entries' keys); fewer than n slots when nothing more can be taken (no
+        StoreFull). Slots and generations come as arrays ('I', 'Q'), keys as bytes: this
+        runs on the index thread, thousands of slots per call, and objects the garbage
+        collector tracks (a tuple per slot, an `Entry` per eviction) would have it trigger
+        collections there, holding the GIL that vLLM's step thread waits for."""
         if n <= 0:
-            return [], []
+            return array.array("I"), array.array("Q"), []
         ndev, fenced = self._fence
         if not fenced:
-            return self._write(self._reserve_pool_txn, n, claim)[:2]
+            return self._write(self._reserve_pool_txn, n, claim)[:3]
         inner = claim
 
         def claim(cands):   # a fenced device's slots are never taken (they stay free)
             return inner([c for c in cands if c[1] % ndev not in fenced])
         epoch = self._free_epoch
-        out, evicted, exhausted = self._write(self._reserve_pool_txn, n, claim,
-                                              self._free_dry == epoch)
+        slots, gens, evicted, exhausted = self._write(self._reserve_pool_txn, n, claim,
+                                                      self._free_dry == epoch)
         if exhausted:
             self._free_dry = epoch
-        return out, evicted
+        return slots, gens, evicted
 
     def _reserve_pool_txn(self, txn, n, claim, skip_free=False):
         def batches(db):
@@ -941,43 +946,51 @@ class Index:
                 else:
                     txn.put(_U32.pack(c), b"", db=self._free)  # keep the accounting whole
             hw = cand[-1] + 1
-        evicted: list[Entry] = []
+        evicted: list[bytes] = []
         kdb, sdb, ldb = self._keys, self._slots, self._lru
         for rows in batches(ldb):
-            cand = []
+            # (parallel lists of bytes and ints, not a tuple per candidate: see above)
+            cs: list[int] = []
+            ck: list[bytes] = []
             for lk in rows:
-                t, s_ = _LRU.unpack(lk)
+                s_ = _LRU.unpack(lk)[1]
                 k = txn.get(_U32.pack(s_), db=sdb)
                 if k is None:
-                    raise CorruptIndex(f"lru row (tick {t}, slot {s_}) has no slot row; {_REBUILD_HINT}")
-                cand.append((lk, t, s_, k))
-            taken = claim([(k, s_) for _, _, s_, k in cand])
-            for lk, t, s_, k in cand:
-                if s_ not in taken:
-                    continue
-                v = txn.pop(k, db=kdb)
-                if v is None:
-                    raise CorruptIndex(f"lru row (tick {t}, slot {s_}) has no key row; {_REBUILD_HINT}")
-                txn.delete(_U32.pack(s_), db=sdb)
-                txn.delete(lk, db=ldb)
-                g_ = _VAL.unpack(v)[1]
-                self._evicted_shared([s_], [g_])    # the claim cleared its generation
-                evicted.append(_entry(k, s_, g_, t))
-                slots.append(s_)
+                    raise CorruptIndex(f"lru row (tick {_LRU.unpack(lk)[0]}, slot {s_}) has no "
+                                       f"slot row; {_REBUILD_HINT}")
+                cs.append(s_)
+                ck.append(k)
+            taken = claim(list(zip(ck, cs)))
+            ev_s: list[int] = []
+            ev_g: list[int] = []
+            try:
+                for lk, s_, k in zip(rows, cs, ck):
+                    if s_ not in taken:
+                        continue
+                    v = txn.pop(k, db=kdb)
+                    if v is None:
+                        raise CorruptIndex(f"lru row (tick {_LRU.unpack(lk)[0]}, slot {s_}) "
+                                           f"has no key row; {_REBUILD_HINT}")
+                    txn.delete(_U32.pack(s_), db=sdb)
+                    txn.delete(lk, db=ldb)
+                    ev_s.append(s_)
+                    ev_g.append(_VAL.unpack(v)[1])
+                    evicted.append(k)
+                    slots.append(s_)
+            finally:
+                self._evicted_shared(ev_s, ev_g)    # the claim cleared their generations
         gen = self._get(txn, b"generation")
         owner = self.owner
-        out = []
-        for s_ in slots:
-            gen += 1
-            txn.put(_U32.pack(s_), _U64.pack(gen), db=self._reserved)
+        gens = array.array("Q", range(gen + 1, gen + 1 + len(slots)))
+        for s_, g_ in zip(slots, gens):
+            txn.put(_U32.pack(s_), _U64.pack(g_), db=self._reserved)
             if owner is not None:
                 txn.put(owner + _U32.pack(s_), b"", db=self._owned)
-            out.append((s_, gen))
-        self._set(txn, b"generation", gen)
+        self._set(txn, b"generation", gen + len(slots))
         self._set(txn, b"high_water", hw)
         if evicted:
             self._add(txn, b"evictions", len(evicted))
-        return out, evicted, exhausted
+        return array.array("I", slots), gens, evicted, exhausted
 
     @_guard
     def load_keys(self, table) -> int:

@@ -102,14 +102,47 @@ def _packed(hit: tuple, packed: bool) -> tuple:
     return None, array.array("I", hit[1]), array.array("Q", hit[2])
 
 
-def _split_failed(keys, slots, gens, failed) -> tuple[list[tuple], list[tuple]]:
-    """(good, bad) (key, slot, generation) items of parallel lists; `failed` holds the
-    indices of the bad ones."""
-    items = list(zip(keys, slots, gens))
+class Items(Sequence):
+    """(key, slot, generation) items kept as three parallel lists. A store's commit
+    passes hundreds of them through the index thread; as a tuple each, they were the
+    objects that made the garbage collector run there (a collection triggered on the
+    index thread holds the GIL while vLLM's step thread waits for it). Indexing and
+    iterating give tuples made on the fly, freed as the caller moves on."""
+
+    __slots__ = ("keys", "slots", "gens")
+
+    def __init__(self, keys, slots, gens):
+        if not len(keys) == len(slots) == len(gens):
+            raise ValueError(f"{len(keys)} keys, {len(slots)} slots and {len(gens)} "
+                             "generations")
+        self.keys, self.slots, self.gens = keys, slots, gens
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return Items(self.keys[i], self.slots[i], self.gens[i])
+        return self.keys[i], self.slots[i], self.gens[i]
+
+    def __iter__(self):
+        return zip(self.keys, self.slots, self.gens)
+
+    def __reversed__(self):
+        return zip(reversed(self.keys), reversed(self.slots), reversed(self.gens))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+
+def _split_failed(keys, slots, gens, failed) -> tuple[Items, Items]:
+    """(good, bad) items of parallel lists; `failed` holds the indices of the bad ones."""
     if not failed:
-        return items, []
-    return ([x for i, x in enumerate(items) if i not in failed],
-            [x for i, x in enumerate(items) if i in failed])
+        return Items(keys, slots, gens), Items([], [], [])
+    good = [i for i in range(len(keys)) if i not in failed]
+    bad = [i for i in range(len(keys)) if i in failed]
+    return (Items([keys[i] for i in good], [slots[i] for i in good], [gens[i] for i in good]),
+            Items([keys[i] for i in bad], [slots[i] for i in bad], [gens[i] for i in bad]))
 
 
 class ServingIndex:
@@ -789,18 +822,18 @@ class ServingIndex:
             removed: list = []
             n = self.pool_target - len(self._pool_slots)
             try:
-                got, evicted = self.index.reserve_pool(n, self._claim(removed))
+                slots, gens, evicted = self.index.reserve_pool(n, self._claim(removed))
             except BaseException:
                 with self._lock:    # LMDB still has them: they stay hits
-                    for k, s, g in removed:
-                        self._table.put(k, s, g)
+                    for i in range(0, len(removed), 3):
+                        self._table.put(removed[i], removed[i + 1], removed[i + 2])
                 raise
             with self._pool_lock:
-                self._pool_slots.extend([s_ for s_, _ in got])
-                self._pool_gens.extend([g for _, g in got])
+                self._pool_slots.extend(slots)
+                self._pool_gens.extend(gens)
             if evicted:
-                self._post(IndexEvent("evicted", keys=[e.key for e in evicted]))
-            if len(got) < n:
+                self._post(IndexEvent("evicted", keys=evicted))
+            if len(slots) < n:
                 return      # everything left is pinned or reserved: try again later
 
     def _commit(self, good: list[tuple], bad: list[tuple], tag, keys: list | None = None,
@@ -831,7 +864,10 @@ class ServingIndex:
             if live:
                 # (their generations were published to the other engines inside the
                 # commit's LMDB transaction, `Index.commit`)
-                ks, ss, gs = (list(x) for x in zip(*live))
+                if isinstance(live, Items):
+                    ks, ss, gs = list(live.keys), list(live.slots), list(live.gens)
+                else:
+                    ks, ss, gs = (list(x) for x in zip(*live))
                 with self._lock:            # a duplicate keeps the existing entry
                     self._table.put_many(ks, ss, gs)
         except Exception as exc:
@@ -839,7 +875,7 @@ class ServingIndex:
             # reservations are given back when the index can be written again.
             self._post(IndexEvent("committed", tag=tag, failed=len(good) + len(bad), error=exc,
                                   keys=back, fps=fps))
-            self._retry_abort(good + bad)
+            self._retry_abort(list(good) + list(bad))
             return
         finally:
             self._applied += 1

@@ -92,7 +92,7 @@ def test_keytable_pins_counts_and_the_walk_that_pins():
     t.unpin([5, 63])                   # not pinned (any more): ignored
     assert t.pins_dict() == {3: 2, 31: 1}
     taken, removed = t.claim([(keys[4], 4), (keys[3], 3)])
-    assert taken == {4} and removed == [(keys[4], 4, 104)] and keys[4] not in t
+    assert taken == {4} and removed == [keys[4], 4, 104] and keys[4] not in t
     assert t.prefix_of(hashes, 0, 40, 0, False)[1] == [0, 1, 2, 3]   # 4 left: the walk stops
     assert t.pinned_slots == 2
     with pytest.raises(ValueError, match="outside"):
@@ -212,7 +212,7 @@ def test_a_walk_that_follows_slot_runs_finds_what_the_table_holds():
         elif op < 0.5 and i in model:           # an eviction's claim takes its slot
             slot = model[i][0]
             taken, removed = t.claim([(key[i], slot)])
-            assert taken == {slot} and [r[0] for r in removed] == [key[i]]
+            assert taken == {slot} and removed[0::3] == [key[i]]
             del model[i]
         elif op < 0.6 and i in model:           # another key takes the slot over
             j = rng.randrange(n)

@@ -1167,7 +1167,9 @@ cdef class KeyTable:
         """The index thread's eviction claim, in one C call (the step thread never waits
         on it): of (key or None, slot) candidates, take every slot that is not pinned; a
         taken slot's key leaves the table when it maps to that slot (when `ready`).
-        Returns (taken slots as a set, removed (key, slot, generation) list)."""
+        Returns (taken slots as a set, the removed entries as one flat list: key, slot,
+        generation, key, ...; flat, so the index thread allocates no tuple per eviction
+        for the garbage collector to count)."""
         cdef set taken = set()
         cdef list removed = []
         cdef object key, slot
@@ -1199,7 +1201,9 @@ cdef class KeyTable:
                 _fingerprint(<bytes?>key, &fp, &fp2)
                 i = self._find(fp, fp2)
                 if i >= 0 and self.t[i].slot == <uint32_t>v:
-                    removed.append((key, slot, self.t[i].gen))
+                    removed.append(key)
+                    removed.append(slot)
+                    removed.append(self.t[i].gen)
                     self._delete_at(<uint64_t>i)
             taken.add(slot)
         return taken, removed

@@ -322,7 +322,11 @@ class KVStoreWorker:
         # One pass for every request in `states`: their blocks are read as one sequence,
         # and each request is reported as soon as its last block is in the KV cache.
         refs: list[SlotRef] = []
-        owner: list[tuple] = []          # (state, index of the block in its job)
+        # each block's load state and index in its job, as parallel lists (a tuple per
+        # block would be ~1 object per block for the garbage collector to count on this
+        # thread: a collection it triggers holds the GIL vLLM's step thread waits for)
+        owner_st: list = []
+        owner_i: list[int] = []
         for st in states:
             job = st.job
             st.left = len(job.slots)
@@ -344,7 +348,8 @@ class KVStoreWorker:
                 continue
             for i, (k, s, g) in enumerate(zip(st.keys, job.slots, job.generations)):
                 refs.append(SlotRef(k, s, g))
-                owner.append((st, i))
+            owner_st.extend([st] * len(st.keys))
+            owner_i.extend(range(len(st.keys)))
         for st in states:
             if not st.job.slots and not st.done:
                 self._finish_load(st)
@@ -373,7 +378,7 @@ class KVStoreWorker:
         def consume(start, stop, stage, errors):
             groups: dict[int, tuple] = {}
             for j, e in enumerate(errors):
-                st, i = owner[start + j]
+                st, i = owner_st[start + j], owner_i[start + j]
                 g = groups.setdefault(id(st), (st, [], [], [0]))
                 g[3][0] += 1
                 if e is not None:
