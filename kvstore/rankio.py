@@ -18,7 +18,7 @@ import stat
 import struct
 import threading
 import time
-from collections import deque
+from collections import abc, deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -258,6 +258,40 @@ class SlotRef:
     key: bytes
     slot: int
     generation: int
+
+
+class SlotRefs(abc.Sequence):
+    """Many blocks' places as three parallel lists (keys, slots, generations): a
+    sequence of `SlotRef` made on the fly. The worker's I/O thread hands hundreds of
+    blocks per step to RankIO; an object per block would be what makes the garbage
+    collector run on that thread, and a collection there holds the GIL (for
+    milliseconds: it walks vLLM's request lists) while vLLM's step thread waits."""
+
+    __slots__ = ("keys", "slots", "generations")
+
+    def __init__(self, keys: Sequence[bytes], slots: Sequence[int], generations: Sequence[int]):
+        if not len(keys) == len(slots) == len(generations):
+            raise ValueError(f"SlotRefs: {len(keys)} keys, {len(slots)} slots and "
+                             f"{len(generations)} generations")
+        self.keys, self.slots, self.generations = keys, slots, generations
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return SlotRefs(self.keys[i], self.slots[i], self.generations[i])
+        return SlotRef(self.keys[i], self.slots[i], self.generations[i])
+
+    def __iter__(self):
+        return map(SlotRef, self.keys, self.slots, self.generations)
+
+
+def _parts(refs) -> tuple[list, list, list]:
+    """(keys, slots, generations) of a sequence of SlotRef, as lists."""
+    if isinstance(refs, SlotRefs):
+        return list(refs.keys), list(refs.slots), list(refs.generations)
+    return [r.key for r in refs], [r.slot for r in refs], [r.generation for r in refs]
 
 
 
@@ -773,9 +807,7 @@ class RankIO:
         fds, offsets); with `stream`, an object whose `result()` returns them: the parts
         are started on the device streams at once and move while the caller goes on (the
         caller must call result(), and keep the memory untouched until then)."""
-        slots = [r.slot for r in refs]
-        keys = [r.key for r in refs]
-        gens = [r.generation for r in refs]
+        keys, slots, gens = _parts(refs)
         fds, offs, devs = self._locate(slots)
         io_len = self.slot_size - HEADER_SIZE
         align = HEADER_SIZE if self._direct else 1
@@ -967,7 +999,7 @@ class RankIO:
         name distinct slots (consecutive chunks are in flight together, in no order).
         """
         self._check_open()
-        if len({r.slot for r in refs}) != len(refs):
+        if len(set(_parts(refs)[1])) != len(refs):
             raise ValueError("write_blocks: a slot appears twice in one batch (its two writes "
                              "would race); write one key per slot")
         errors: list[Exception | None] = [None] * len(refs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -230,6 +231,41 @@ def test_store_full_when_all_pinned_changes_nothing(make, tmp_path):
     got, ev = ix.reserve([k(10)], pinned=[s for _, s, _ in items][:2])
     assert [e.key for e in ev] == [k(2)]
     ix.commit(got + pend)
+
+
+def test_a_pool_refill_evicts_lru_and_allocates_no_gc_tracked_object_per_slot(make):
+    """reserve_pool runs on the index thread, thousands of slots a call. A tuple per
+    slot and an Entry per eviction made it the thread that triggered most of the
+    process's garbage collections (each holding the GIL while vLLM's step thread waits);
+    slots and generations now come as arrays, evicted keys as bytes."""
+    n = 4096
+    ix = make(n)
+    keys = [k(i) for i in range(n)]
+    for i in range(0, n, 512):
+        store(ix, keys[i:i + 512])          # full: the refill evicts, oldest first
+    asked = []          # the candidates' keys, in order (not the tuples: counted too)
+
+    def claim(cands):
+        asked.extend([key for key, s_ in cands if s_ != 7])
+        return {s_ for _, s_ in cands if s_ != 7}      # slot 7 is "pinned"
+
+    gc.disable()
+    try:
+        gc.collect(0)
+        c0 = gc.get_count()[0]
+        slots, gens, evicted = ix.reserve_pool(3000, claim)
+        grown = gc.get_count()[0] - c0
+    finally:
+        gc.enable()
+    assert (slots.typecode, gens.typecode) == ("I", "Q")
+    assert len(slots) == len(gens) == len(evicted) == 3000
+    assert 7 not in slots and keys[7] not in evicted
+    assert evicted == asked
+    assert len(set(slots)) == 3000
+    assert list(gens) == list(range(gens[0], gens[0] + 3000))
+    assert ix.lookup(evicted[0]) is None and ix.lookup(keys[7]) is not None
+    assert grown < 300, f"{grown} GC-tracked objects left allocated for 3000 slots"
+    ix.abort(list(slots))
 
 
 # ---------------------------------------------------------------------- commit / abort / reclaim

@@ -541,3 +541,33 @@ def test_a_malformed_record_of_another_engine_unpins_only_what_the_walk_pinned()
     out = ServingIndex._peer_prefix(ix, lambda a, b: [b"k%d" % i for i in range(a, b)], 10)
     assert out == ([], [], [])
     assert t.pin_count(3) == 1 and t.pin_count(5) == 0 and t.pinned_slots == 1
+
+
+def test_items_and_slotrefs_are_sequences_made_of_three_lists():
+    """The index thread's commits (`Items`) and the I/O thread's blocks (`SlotRefs`)
+    travel as three parallel lists, not an object per block (see `Index.reserve_pool`):
+    they must still read as the (key, slot, generation) sequences their callers index,
+    slice, reverse and iterate."""
+    import array
+
+    from kvstore.rankio import SlotRefs
+    from kvstore.serving_index import Items, _split_failed
+    keys = [k(i) for i in range(5)]
+    slots = array.array("I", [10, 11, 12, 13, 14])
+    gens = array.array("Q", [20, 21, 22, 23, 24])
+    tuples = list(zip(keys, slots, gens))
+    it = Items(keys, slots, gens)
+    assert list(it) == tuples and list(reversed(it)) == tuples[::-1]
+    assert it[2] == tuples[2] and list(it[1:3]) == tuples[1:3] and len(it) == 5
+    assert it == tuples and tuples[0] in it and not Items([], [], [])
+    good, bad = _split_failed(keys, slots, gens, {1, 3})
+    assert list(good) == [tuples[0], tuples[2], tuples[4]] and list(bad) == [tuples[1], tuples[3]]
+    good, bad = _split_failed(keys, slots, gens, ())
+    assert list(good) == tuples and len(bad) == 0
+    refs = SlotRefs(keys, slots, gens)
+    assert list(refs) == [SlotRef(*t) for t in tuples] and refs[-1] == SlotRef(*tuples[-1])
+    assert isinstance(refs[1:4], SlotRefs) and list(refs[1:4]) == [SlotRef(*t) for t in tuples[1:4]]
+    with pytest.raises(ValueError, match="4 slots"):
+        SlotRefs(keys, slots[:4], gens)
+    with pytest.raises(ValueError, match="4 generations"):
+        Items(keys, slots, gens[:4])

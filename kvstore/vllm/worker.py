@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from kvstore.engine import ensure_store
 from kvstore.errors import KVStoreError
-from kvstore.rankio import RankIO, SlotRef
+from kvstore.rankio import RankIO, SlotRefs
 from kvstore.threads import make_thread
 from kvstore.transfer import KVTransfer, check_groups_alias
 from kvstore.vllm.config import ConnectorConfig, carrier_group
@@ -280,8 +280,7 @@ class KVStoreWorker:
                 raise ValueError(f"store job {job.job_id}: {len(keys)} keys, {len(job.slots)} "
                                  f"slots, {len(job.generations)} generations, "
                                  f"{len(job.block_ids)} blocks")
-            refs = [SlotRef(k, s, g) for k, s, g in zip(keys, job.slots, job.generations)]
-            refs = refs[:len(stage)]
+            refs = SlotRefs(keys, job.slots, job.generations)[:len(stage)]
             malformed = None
         except Exception as exc:
             malformed = exc
@@ -321,7 +320,9 @@ class KVStoreWorker:
     def _do_load_timed(self, states: list) -> None:
         # One pass for every request in `states`: their blocks are read as one sequence,
         # and each request is reported as soon as its last block is in the KV cache.
-        refs: list[SlotRef] = []
+        ref_keys: list[bytes] = []      # the blocks to read, as parallel lists (SlotRefs)
+        ref_slots: list[int] = []
+        ref_gens: list[int] = []
         # each block's load state and index in its job, as parallel lists (a tuple per
         # block would be ~1 object per block for the garbage collector to count on this
         # thread: a collection it triggers holds the GIL vLLM's step thread waits for)
@@ -346,13 +347,15 @@ class KVStoreWorker:
                 st.left = 0
                 self._finish_load(st)
                 continue
-            for i, (k, s, g) in enumerate(zip(st.keys, job.slots, job.generations)):
-                refs.append(SlotRef(k, s, g))
+            ref_keys.extend(st.keys)
+            ref_slots.extend(job.slots)
+            ref_gens.extend(job.generations)
             owner_st.extend([st] * len(st.keys))
             owner_i.extend(range(len(st.keys)))
         for st in states:
             if not st.job.slots and not st.done:
                 self._finish_load(st)
+        refs = SlotRefs(ref_keys, ref_slots, ref_gens)
         if not refs:            # nothing to read: the ordering tickets go unused
             self._release_unused_tickets(states)
             return
