@@ -89,6 +89,12 @@ def test_json_output_parses_as_one_object(path, stores, tmp_path):
         pytest.fail(f"`kvstore {' '.join(path)} --json` stdout is not one JSON object ({exc}):\n"
                     f"{r.stdout[:2000]}")
     assert isinstance(doc, dict) and doc
+    if path == ("bench", "connector"):
+        for ph in ("store", "load"):
+            by = doc["phases"][ph]["gc_collections"]
+            assert set(by) <= {"step_thread_in_connector", "step_thread_elsewhere",
+                               "kvstore_threads", "other_threads"}, by
+            assert all(v["count"] >= 1 and v["max_ms"] >= 0 for v in by.values()), by
 
 
 def test_bench_index_refuses_sizes_its_commit_rounds_cannot_fill():

@@ -122,6 +122,12 @@ class _StepTimer:
         self._fsyncs0 = self.index.fsyncs_by_thread[self._thread]
         self._gc_ns = 0
         self._gc_t0 = 0
+        # every collection of the phase, by the thread that triggered it (CPython runs it
+        # on the thread whose allocation crossed the threshold, holding the GIL): kvstore's
+        # own threads ("kvstore-*") should trigger none; [count, longest wall ns]
+        self._in_call = 0
+        self._gc_by: dict[str, list[int]] = {}
+        self._gc_local = threading.local()
         self._gc_cb = self._on_gc
         gc.callbacks.append(self._gc_cb)
         conn = h.scheduler_connector
@@ -134,9 +140,11 @@ class _StepTimer:
                 g0 = self._gc_ns
                 c = time.thread_time_ns()
                 t = time.perf_counter_ns()
+                self._in_call += 1
                 try:
                     return _orig(*a, **kw)
                 finally:
+                    self._in_call -= 1
                     dt = time.perf_counter_ns() - t
                     dc = time.thread_time_ns() - c
                     self.calls.setdefault(_name, []).append(dt / 1e6)
@@ -184,11 +192,26 @@ class _StepTimer:
 
     def _on_gc(self, phase, info):
         if threading.get_ident() != self._thread:
+            loc = self._gc_local
+            if phase == "start":
+                loc.t0 = time.perf_counter_ns()
+            else:
+                name = threading.current_thread().name
+                self._count_gc("kvstore_threads" if name.startswith("kvstore-") else
+                               "other_threads", time.perf_counter_ns() - loc.t0)
             return
         if phase == "start":
             self._gc_t0 = time.perf_counter_ns()
         else:
-            self._gc_ns += time.perf_counter_ns() - self._gc_t0
+            dt = time.perf_counter_ns() - self._gc_t0
+            self._gc_ns += dt
+            self._count_gc("step_thread_in_connector" if self._in_call else
+                           "step_thread_elsewhere", dt)
+
+    def _count_gc(self, where: str, ns: int) -> None:
+        c = self._gc_by.setdefault(where, [0, 0])
+        c[0] += 1
+        c[1] = max(c[1], ns)
 
     def _runq_ns(self) -> int:
         if self._schedstat is None:
@@ -232,6 +255,9 @@ class _StepTimer:
                 # garbage collections inside the connector's calls (process-wide pauses)
                 "steps_with_gc": sum(1 for g in self.gc if g > 0),
                 "step_gc_max_ms": round(max(self.gc, default=0), 4),
+                # every collection of the phase by where it ran (count, longest ms)
+                "gc_collections": {k: {"count": v[0], "max_ms": round(v[1] / 1e6, 3)}
+                                   for k, v in sorted(self._gc_by.items())},
                 "step_thread_fsyncs": self.index.fsyncs_by_thread[self._thread] - self._fsyncs0,
                 # vLLM's own scheduler work per step (schedule + update_from_output,
                 # connector calls excluded), for scale
@@ -457,6 +483,12 @@ def format_table(r: dict) -> str:
                      f"{ph} {r['phases'][ph].get('step_runq_p99_ms', 0):.3f} / "
                      f"{r['phases'][ph].get('steps_with_runq_over_0_5ms', 0)}"
                      for ph in ("store", "load")))
+    if "gc_collections" in st:
+        lines.append("garbage collections by the thread that triggered them (count, longest ms; "
+                     "each holds the GIL): " + "; ".join(
+                         f"{ph} " + ", ".join(f"{k} {v['count']} ({v['max_ms']:.2f})" for k, v in
+                                              r["phases"][ph]["gc_collections"].items())
+                         for ph in ("store", "load")))
     if "worker_step_p50_ms" in st:
         lines.append("the worker connector's calls per step (TP=1: the same thread in vLLM's "
                      "single-process executor), p50 / p99 ms: " + "; ".join(
