@@ -260,31 +260,43 @@ class SlotRef:
     generation: int
 
 
-class SlotRefs(abc.Sequence):
-    """Many blocks' places as three parallel lists (keys, slots, generations): a
-    sequence of `SlotRef` made on the fly. The worker's I/O thread hands hundreds of
-    blocks per step to RankIO; an object per block would be what makes the garbage
-    collector run on that thread, and a collection there holds the GIL (for
-    milliseconds: it walks vLLM's request lists) while vLLM's step thread waits."""
+class Columns(abc.Sequence):
+    """Many blocks as three parallel lists (keys, slots, generations): a sequence whose
+    items (`_item(key, slot, generation)`) are made on the fly. Code that hands hundreds
+    of blocks a step between kvstore's threads passes these, not an object per block:
+    objects the garbage collector tracks are what make it run on the thread that
+    allocates them, and a collection holds the GIL (for milliseconds: it walks vLLM's
+    request lists) while vLLM's step thread waits."""
 
     __slots__ = ("keys", "slots", "generations")
 
     def __init__(self, keys: Sequence[bytes], slots: Sequence[int], generations: Sequence[int]):
         if not len(keys) == len(slots) == len(generations):
-            raise ValueError(f"SlotRefs: {len(keys)} keys, {len(slots)} slots and "
-                             f"{len(generations)} generations")
+            raise ValueError(f"{type(self).__name__}: {len(keys)} keys, {len(slots)} slots "
+                             f"and {len(generations)} generations")
         self.keys, self.slots, self.generations = keys, slots, generations
+
+    @staticmethod
+    def _item(key, slot, generation):
+        raise NotImplementedError
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return SlotRefs(self.keys[i], self.slots[i], self.generations[i])
-        return SlotRef(self.keys[i], self.slots[i], self.generations[i])
+            return type(self)(self.keys[i], self.slots[i], self.generations[i])
+        return self._item(self.keys[i], self.slots[i], self.generations[i])
 
     def __iter__(self):
-        return map(SlotRef, self.keys, self.slots, self.generations)
+        return map(self._item, self.keys, self.slots, self.generations)
+
+
+class SlotRefs(Columns):
+    """A sequence of `SlotRef` (the worker's I/O thread hands RankIO its blocks so)."""
+
+    __slots__ = ()
+    _item = SlotRef
 
 
 def _parts(refs) -> tuple[list, list, list]:
@@ -292,6 +304,11 @@ def _parts(refs) -> tuple[list, list, list]:
     if isinstance(refs, SlotRefs):
         return list(refs.keys), list(refs.slots), list(refs.generations)
     return [r.key for r in refs], [r.slot for r in refs], [r.generation for r in refs]
+
+
+def _slots(refs) -> Sequence[int]:
+    """The slots of a sequence of SlotRef (SlotRefs' own list, not a copy)."""
+    return refs.slots if isinstance(refs, SlotRefs) else [r.slot for r in refs]
 
 
 
@@ -999,7 +1016,7 @@ class RankIO:
         name distinct slots (consecutive chunks are in flight together, in no order).
         """
         self._check_open()
-        if len(set(_parts(refs)[1])) != len(refs):
+        if len(set(_slots(refs))) != len(refs):
             raise ValueError("write_blocks: a slot appears twice in one batch (its two writes "
                              "would race); write one key per slot")
         errors: list[Exception | None] = [None] * len(refs)

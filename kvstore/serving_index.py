@@ -53,6 +53,7 @@ from kvstore.engine import DiskStore
 from kvstore.errors import KVStoreError, StoreFull
 from kvstore.index import Entry
 from kvstore.layout import block_key
+from kvstore.rankio import Columns
 from kvstore.shared import W_ATTACHED
 from kvstore.threads import make_thread
 
@@ -102,34 +103,22 @@ def _packed(hit: tuple, packed: bool) -> tuple:
     return None, array.array("I", hit[1]), array.array("Q", hit[2])
 
 
-class Items(Sequence):
-    """(key, slot, generation) items kept as three parallel lists. A store's commit
-    passes hundreds of them through the index thread; as a tuple each, they were the
-    objects that made the garbage collector run there (a collection triggered on the
-    index thread holds the GIL while vLLM's step thread waits for it). Indexing and
-    iterating give tuples made on the fly, freed as the caller moves on."""
+class Items(Columns):
+    """(key, slot, generation) tuples kept as three lists (see `rankio.Columns`): the
+    index thread's commits of a store's blocks. Iterating, indexing and reversing make
+    the tuples on the fly, freed as the caller moves on."""
 
-    __slots__ = ("keys", "slots", "gens")
+    __slots__ = ()
 
-    def __init__(self, keys, slots, gens):
-        if not len(keys) == len(slots) == len(gens):
-            raise ValueError(f"{len(keys)} keys, {len(slots)} slots and {len(gens)} "
-                             "generations")
-        self.keys, self.slots, self.gens = keys, slots, gens
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return Items(self.keys[i], self.slots[i], self.gens[i])
-        return self.keys[i], self.slots[i], self.gens[i]
+    @staticmethod
+    def _item(key, slot, generation):
+        return key, slot, generation
 
     def __iter__(self):
-        return zip(self.keys, self.slots, self.gens)
+        return zip(self.keys, self.slots, self.generations)
 
     def __reversed__(self):
-        return zip(reversed(self.keys), reversed(self.slots), reversed(self.gens))
+        return zip(reversed(self.keys), reversed(self.slots), reversed(self.generations))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Sequence) and list(self) == list(other)
@@ -865,7 +854,7 @@ class ServingIndex:
                 # (their generations were published to the other engines inside the
                 # commit's LMDB transaction, `Index.commit`)
                 if isinstance(live, Items):
-                    ks, ss, gs = list(live.keys), list(live.slots), list(live.gens)
+                    ks, ss, gs = list(live.keys), list(live.slots), list(live.generations)
                 else:
                     ks, ss, gs = (list(x) for x in zip(*live))
                 with self._lock:            # a duplicate keeps the existing entry
