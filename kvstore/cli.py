@@ -302,9 +302,14 @@ def warmup_cmd(store, prompts, from_store, model, capacity, engine_arg, all_bloc
               help="The connector's io_thread_nice: how far below the index thread kvstore's "
                    "I/O threads run (default: 19, or 0 where vLLM's forward runs on these CPUs: "
                    "its CPU build without --thread-cpus).")
+@click.option("--forward-ms", default=10.0, show_default=True, type=click.FloatRange(0, 10000),
+              help="Sleep after each step that computed tokens, standing in for the model's "
+                   "forward (the harness runs none); kvstore's threads refill the slot pool "
+                   "meanwhile, so every store step plans a full step of blocks. 0: step back "
+                   "to back, as before stop 32 (most store steps then find the pool dry).")
 @click.option("--json", "as_json", is_flag=True)
 def bench_connector(index_entries, requests, prompt_tokens, baseline, directory, plot_path,
-                    engines, thread_cpus, io_thread_nice, as_json):
+                    engines, thread_cpus, io_thread_nice, forward_ms, as_json):
     """Connector time on vLLM's scheduler thread per step (p50/p99/max), store and load phases."""
     from kvstore.bench import connector_bench
     from kvstore.threads import parse_cpus
@@ -319,7 +324,7 @@ def bench_connector(index_entries, requests, prompt_tokens, baseline, directory,
         out = connector_bench.run(index_entries=index_entries, requests=requests,
                                   prompt_tokens=prompt_tokens, baseline=baseline and engines == 1,
                                   workdir=directory, engines=engines, thread_cpus=thread_cpus,
-                                  io_thread_nice=io_thread_nice)
+                                  io_thread_nice=io_thread_nice, forward_ms=forward_ms)
     except (KVStoreError, OSError) as exc:
         _fail(exc)
     click.echo(json.dumps(out, indent=2) if as_json else connector_bench.format_table(out))

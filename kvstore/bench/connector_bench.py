@@ -16,6 +16,14 @@ scheduler thread (`Index.fsyncs_by_thread`; the target is zero). With `baseline`
 phases run again with `index_thread: false` (the previous design: every index operation,
 commit fsyncs included, on the scheduler thread), on the same store.
 
+The harness has no model: each step that computed tokens is followed by `forward_ms` of
+sleep standing in for the model's forward (10 ms by default; an 8k-token prefill takes
+far longer on any GPU), during which the step thread holds no GIL, as a real engine's
+waits on the GPU. Without it (`forward_ms=0`, the bench before stop 32) the harness steps
+as fast as it can, the index thread cannot refill the slot pool between steps, and most
+store steps plan only the few blocks the pool holds: their p50 is then the cost of a
+step that stores little, not of the store-heavy step the phase is meant to measure.
+
 The prefilled entries are synthetic (random keys over sparse slot files: they are never
 read), so a 10M-entry store costs index space only.
 
@@ -289,11 +297,33 @@ def _freeze_heap() -> None:
     freeze_gc_heap()
 
 
+def _harness_args(common: dict) -> dict:
+    return {k: v for k, v in common.items() if k != "forward_s"}
+
+
+def _pace(h, timer: _StepTimer, forward_s: float) -> None:
+    """After each step that computed tokens, `forward_s` of sleep: the model's forward
+    the harness does not run (the GIL is free meanwhile, as while a real engine waits on
+    the GPU; kvstore's threads refill the slot pool and apply commits then)."""
+    if forward_s <= 0:
+        return
+    orig = h.step
+
+    def step(*a, **kw):
+        out = orig(*a, **kw)
+        if timer._cur is not None and timer._cur[1]:
+            time.sleep(forward_s)
+        return out
+    h.step = step
+
+
 def _phases(common: dict, prompts: list, index_thread: bool, load_prompts: list | None = None,
             barrier=None) -> dict:
     import gc
 
     from kvstore.testing import EngineHarness
+    forward_s = common.get("forward_s", 0.0)
+    common = _harness_args(common)
     cfg = common["kv_transfer_config"]
     cfg["kv_connector_extra_config"]["index_thread"] = index_thread
     out = {}
@@ -309,6 +339,7 @@ def _phases(common: dict, prompts: list, index_thread: bool, load_prompts: list 
         sched = h.scheduler_connector.scheduler
         stored0 = sched.stored_blocks_total
         timer = _StepTimer(h)
+        _pace(h, timer, forward_s)
         t0 = time.perf_counter()
         for p in prompts:
             h.add_request(p, max_tokens=1)
@@ -316,9 +347,9 @@ def _phases(common: dict, prompts: list, index_thread: bool, load_prompts: list 
         phase_s = time.perf_counter() - t0
         res = timer.result()
         res["stored_blocks"] = sched.stored_blocks_total - stored0
-        # The harness steps as fast as it can (no model forward): the index thread's
-        # commit and eviction rate, not the step thread, bounds what gets stored; blocks
-        # the slot pool could not cover were dropped (never waited for).
+        # The harness has no model forward (`forward_s` of sleep stands in for it): the
+        # index thread's commit and eviction rate, not the step thread, bounds what gets
+        # stored; blocks the slot pool could not cover were dropped (never waited for).
         res["phase_s"] = round(phase_s, 2)
         res["steps_per_s"] = round(res["steps"] / phase_s, 1)
         res["stored_blocks_per_s"] = round(res["stored_blocks"] / phase_s)
@@ -336,6 +367,7 @@ def _phases(common: dict, prompts: list, index_thread: bool, load_prompts: list 
             barrier.wait(600)
         before = dict(h.stats)
         timer = _StepTimer(h)
+        _pace(h, timer, forward_s)
         for p in (prompts if load_prompts is None else load_prompts):
             h.add_request(p, max_tokens=1)
         h.drain()
@@ -392,7 +424,8 @@ def _several(common: dict, sets: list[list], n: int) -> list[dict]:
 
 def run(index_entries: int = 1_000_000, requests: int = 256, prompt_tokens: int = 8192,
         baseline: bool = True, workdir: str | None = None, engines: int = 1,
-        thread_cpus: str | None = None, io_thread_nice: int | None = None) -> dict:
+        thread_cpus: str | None = None, io_thread_nice: int | None = None,
+        forward_ms: float = 10.0) -> dict:
     from kvstore.testing import EngineHarness
     tmp = tempfile.TemporaryDirectory(prefix="kvstore-bench-conn-", dir=workdir)
     d = tmp.name
@@ -415,11 +448,12 @@ def run(index_entries: int = 1_000_000, requests: int = 256, prompt_tokens: int 
                   block_size=BLOCK_SIZE, num_gpu_blocks=4 * blocks + 64,
                   max_num_batched_tokens=per_step, max_num_seqs=8, max_model_len=ntok + 64,
                   workdir=d, verify=False)
-    out: dict = {"index_entries": index_entries, "requests": requests,
+    common["forward_s"] = forward_ms / 1e3      # (the bench's, not the harness's)
+    out: dict = {"index_entries": index_entries, "requests": requests, "forward_ms": forward_ms,
                  "prompt_tokens": prompt_tokens, "tokens_per_step": per_step,
                  "thread_cpus": thread_cpus, "cpus": len(os.sched_getaffinity(0))}
     try:
-        with EngineHarness(**common) as h:      # creates the store (its layout)
+        with EngineHarness(**_harness_args(common)) as h:   # creates the store (its layout)
             # what the connector resolved (io_thread_nice's default depends on the platform)
             out["io_thread_nice"] = h.scheduler_connector.cfg.io_thread_nice
         if index_entries:
@@ -498,7 +532,10 @@ def format_table(r: dict) -> str:
                  "calls excluded), p50 / p99 ms: " + "; ".join(
                      f"{ph} {r['phases'][ph]['vllm_scheduler_p50_ms']:.3f} / "
                      f"{r['phases'][ph]['vllm_scheduler_p99_ms']:.3f}" for ph in ("store", "load")))
-    lines.append(f"store phase: {st['steps_per_s']} steps/s (no model forward), {st['stored_blocks_per_s']} "
+    fwd = r.get("forward_ms", 0)
+    lines.append(f"store phase: {st['steps_per_s']} steps/s ("
+                 + (f"{fwd:g} ms of sleep for the model's forward per step" if fwd else
+                    "no model forward") + f"), {st['stored_blocks_per_s']} "
                  "blocks/s committed by the index thread; blocks the slot pool could not cover "
                  "were dropped, never waited for")
     for name, phases in rows:
