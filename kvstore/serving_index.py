@@ -103,6 +103,14 @@ def _packed(hit: tuple, packed: bool) -> tuple:
     return None, array.array("I", hit[1]), array.array("Q", hit[2])
 
 
+def _packed_plan(hashes: list, keys: list, bids: list, idx: list, packed: bool) -> tuple:
+    """A store plan made of lists, as `plan_new(packed=...)` returns it: with `packed`,
+    vLLM's hash objects instead of keys and the block indices as an array('I')."""
+    if not packed:
+        return keys, bids, idx
+    return [hashes[i] for i in idx], bids, array.array("I", idx)
+
+
 class Items(Columns):
     """(key, slot, generation) tuples kept as three lists (see `rankio.Columns`): the
     index thread's commits of a store's blocks. Iterating, indexing and reversing make
@@ -357,15 +365,16 @@ class ServingIndex:
 
     def plan_new(self, hashes: list, start: int, stop: int, block_ids: list, skip: set,
                  limit: int, group: int = 0, packed: bool = False
-                 ) -> tuple[list[bytes], list[int], list[int]]:
+                 ) -> tuple[list[bytes], list[int], Sequence[int]]:
         """(keys, block ids, block indices) of blocks start..stop not stored yet and not
         in `skip` (keys being stored), at most `limit`; their keys join `skip`. With
         `packed` (skip a `KeySet`): the planned blocks' vLLM hashes instead of keys (their
-        keys are hash + group, made where they are needed: `make_keys`)."""
+        keys are hash + group, made where they are needed: `make_keys`), and the indices
+        as an array('I') (no int object per block)."""
         if not self._ready:
             keys, bids, idx = self._plan_new_lmdb(hashes, start, stop, block_ids, skip,
                                                   limit, group)
-            return ([hashes[i] for i in idx] if packed else keys), bids, idx
+            return _packed_plan(hashes, keys, bids, idx, packed)
         with self._lock:
             return self._table.plan_new(hashes, start, stop, block_ids, skip, limit, group,
                                         packed)
@@ -1038,7 +1047,7 @@ class SyncServingIndex(ServingIndex):
 
     def plan_new(self, hashes, start, stop, block_ids, skip, limit, group=0, packed=False):
         keys, bids, idx = self._plan_new_lmdb(hashes, start, stop, block_ids, skip, limit, group)
-        return ([hashes[i] for i in idx] if packed else keys), bids, idx
+        return _packed_plan(hashes, keys, bids, idx, packed)
 
     def count_dropped(self, hashes, start, stop, skip, group=0):
         self._post(IndexEvent("counted", count=self._count_new_lmdb(hashes, start, stop,

@@ -1066,9 +1066,14 @@ cdef class KeyTable:
         `KVCacheBlock` objects (the request's block list as vLLM keeps it: only the
         planned blocks' `block_id` is read, no id list of the whole request is made).
         With `packed` (and a `KeySet` skip), the first list holds the planned blocks'
-        vLLM hashes (the objects of `hashes`) instead of keys: no Python object is made
-        per block; their keys are `make_keys(those, [(group, len)])`."""
+        vLLM hashes (the objects of `hashes`) instead of keys, and the block indices are
+        an array('I'): no Python object is made per block (an int per index was ~70 us of
+        a 512-block walk with the allocator's memory cold, `tools/plan_ab.py`); their
+        keys are `make_keys(those, [(group, len)])`."""
         cdef list keys = [], bids = [], idx = []
+        cdef array.array idxa = array.clone(_U32, 0, False) if packed else None
+        cdef uint32_t ib[BATCH]
+        cdef Py_ssize_t ni
         cdef uint64_t fps[BATCH]
         cdef uint32_t fp2s[BATCH]
         cdef unsigned char buf[BATCH][KEY_MAX]
@@ -1109,6 +1114,7 @@ cdef class KeyTable:
                 for j in range(e, min(stop, e + BATCH)):
                     KT_PREFETCH(<const void *>PyList_GET_ITEM(block_ids, j))
                 self._hash_batch(hashes, b, e, group, buf, lens, fps, fp2s, True, fast)
+                ni = 0
                 for j in range(e - b):
                     if len(keys) >= limit:
                         break
@@ -1130,13 +1136,19 @@ cdef class KeyTable:
                         bids.append(held[j])
                         skip.add(key)
                     keys.append(key)
-                    idx.append(b + j)
+                    if packed:
+                        ib[ni] = <uint32_t>(b + j)
+                        ni += 1
+                    else:
+                        idx.append(b + j)
+                if ni:
+                    array.extend_buffer(idxa, <char *>ib, ni)
                 b = e
         except BaseException:
             # nothing planned: no key stays claimed
             skip.difference_update(make_keys(keys, [(group, len(keys))]) if packed else keys)
             raise
-        return keys, bids, idx
+        return keys, bids, (idxa if packed else idx)
 
     def count_new(self, list hashes, Py_ssize_t start, Py_ssize_t stop, KeySet skip not None,
                   uint32_t group=0):
