@@ -95,6 +95,10 @@ def test_json_output_parses_as_one_object(path, stores, tmp_path):
             assert set(by) <= {"step_thread_in_connector", "step_thread_elsewhere",
                                "kvstore_threads", "other_threads"}, by
             assert all(v["count"] >= 1 and v["max_ms"] >= 0 for v in by.values()), by
+        # each busy step is followed by the forward's stand-in (10 ms by default): the
+        # store phase lasts at least that long
+        st = doc["phases"]["store"]
+        assert doc["forward_ms"] == 10.0 and st["phase_s"] >= st["steps"] * 0.010, st
 
 
 def test_bench_index_refuses_sizes_its_commit_rounds_cannot_fill():
