@@ -4,6 +4,7 @@ thread and the index thread make the keys. Real KeyTable, real vLLM scheduler, r
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 
@@ -332,3 +333,23 @@ def test_a_short_pool_plans_only_what_it_can_take(tmp_path):
                 [True] * 3 + [False] * 3
         finally:
             _Plan.cut = orig_cut
+
+
+def test_discard_fingerprints_across_batches_removes_exactly_the_keys_given():
+    """A committed job's fingerprints leave the "being stored" set in batches of 32
+    (fetched ahead, then discarded): over several batches, with keys absent from the set
+    and keys whose probe runs collide, the set ends as a Python set would."""
+    from kvstore._keytable import fingerprints
+    rng = random.Random(5)
+    keys = [os.urandom(36) for _ in range(3000)]
+    ks, model = KeySet(16), set()
+    for k in keys:
+        ks.add(k)
+        model.add(k)
+    for n in (1, 31, 32, 33, 100, 517):
+        gone = rng.sample(keys, n) + [os.urandom(36) for _ in range(3)]    # 3 never added
+        ks.discard_fingerprints(fingerprints(gone))
+        model.difference_update(gone)
+        assert len(ks) == len(model), n
+        assert all(k in ks for k in model) and not any(k in ks for k in gone), n
+        keys = list(model)

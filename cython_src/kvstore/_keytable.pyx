@@ -1420,15 +1420,26 @@ cdef class KeySet:
     def discard_fingerprints(self, const unsigned char[::1] fps):
         """discard() for every key whose fingerprint `fingerprints()` packed into `fps`
         (made on another thread: no key is hashed or freed here)."""
-        cdef Py_ssize_t j, n = fps.shape[0] // FP_BYTES
-        cdef uint64_t fp
-        cdef uint32_t fp2
+        cdef Py_ssize_t b, e, j, n = fps.shape[0] // FP_BYTES
+        cdef uint64_t fp[BATCH]
+        cdef uint32_t fp2[BATCH]
         if fps.shape[0] % FP_BYTES:
             raise ValueError(f"discard_fingerprints: {fps.shape[0]} bytes, not whole fingerprints")
-        for j in range(n):
-            memcpy(&fp, &fps[j * FP_BYTES], 8)
-            memcpy(&fp2, &fps[j * FP_BYTES + 8], 4)
-            self._discard(fp, fp2)
+        # A batch's home buckets fetched together, then discarded: the set is cold by the
+        # time a commit comes back (the step's forward ran meanwhile); its misses were ~a
+        # quarter of a store step's `update_connector_output` (tools/step_perf.py, 10M
+        # entries). 512 of 20K keys after 64 MiB of other traffic: p50 47-59 -> 37-40 us;
+        # of 3.5K keys (fits the caches better): 26 -> 25 us, no change.
+        b = 0
+        while b < n:
+            e = min(n, b + BATCH)
+            for j in range(e - b):
+                memcpy(&fp[j], &fps[(b + j) * FP_BYTES], 8)
+                memcpy(&fp2[j], &fps[(b + j) * FP_BYTES + 8], 4)
+            self._prefetch_all(fp, e - b)
+            for j in range(e - b):
+                self._discard(fp[j], fp2[j])
+            b = e
 
     def difference_update(self, keys):
         cdef uint64_t fp
