@@ -1067,9 +1067,10 @@ cdef class KeyTable:
         planned blocks' `block_id` is read, no id list of the whole request is made).
         With `packed` (and a `KeySet` skip), the first list holds the planned blocks'
         vLLM hashes (the objects of `hashes`) instead of keys, and the block indices are
-        an array('I'): no Python object is made per block (an int per index was ~70 us of
-        a 512-block walk with the allocator's memory cold, `tools/plan_ab.py`); their
-        keys are `make_keys(those, [(group, len)])`."""
+        an array('I'): no Python object is made per block (512 new ints cost ~70 us in a
+        scratch with the allocator's memory cold, 9 us warm; `tools/plan_ab.py`, whose
+        walks run warm, shows no difference); their keys are
+        `make_keys(those, [(group, len)])`."""
         cdef list keys = [], bids = [], idx = []
         cdef array.array idxa = array.clone(_U32, 0, False) if packed else None
         cdef uint32_t ib[BATCH]
