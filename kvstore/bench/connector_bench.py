@@ -297,10 +297,6 @@ def _freeze_heap() -> None:
     freeze_gc_heap()
 
 
-def _harness_args(common: dict) -> dict:
-    return {k: v for k, v in common.items() if k != "forward_s"}
-
-
 def _pace(h, timer: _StepTimer, forward_s: float) -> None:
     """After each step that computed tokens, `forward_s` of sleep: the model's forward
     the harness does not run (the GIL is free meanwhile, as while a real engine waits on
@@ -318,12 +314,10 @@ def _pace(h, timer: _StepTimer, forward_s: float) -> None:
 
 
 def _phases(common: dict, prompts: list, index_thread: bool, load_prompts: list | None = None,
-            barrier=None) -> dict:
+            barrier=None, forward_s: float = 0.0) -> dict:
     import gc
 
     from kvstore.testing import EngineHarness
-    forward_s = common.get("forward_s", 0.0)
-    common = _harness_args(common)
     cfg = common["kv_transfer_config"]
     cfg["kv_connector_extra_config"]["index_thread"] = index_thread
     out = {}
@@ -381,12 +375,12 @@ def _phases(common: dict, prompts: list, index_thread: bool, load_prompts: list 
     return out
 
 
-def _engine_main(common, prompts, load_prompts, barrier, results, i) -> None:
+def _engine_main(common, prompts, load_prompts, barrier, results, i, forward_s) -> None:
     """One engine process of a several-engine run (spawned)."""
     try:
         if barrier is not None:
             barrier.wait(600)
-        res = _phases(common, prompts, True, load_prompts, barrier)
+        res = _phases(common, prompts, True, load_prompts, barrier, forward_s)
         res["pid"] = os.getpid()
         results.put((i, res))
     except BaseException as exc:    # reported by the parent
@@ -395,13 +389,13 @@ def _engine_main(common, prompts, load_prompts, barrier, results, i) -> None:
             barrier.abort()
 
 
-def _several(common: dict, sets: list[list], n: int) -> list[dict]:
+def _several(common: dict, sets: list[list], n: int, forward_s: float) -> list[dict]:
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(n)
     results = ctx.Queue()
     procs = [ctx.Process(target=_engine_main,
-                         args=(common, sets[i], sets[(i + 1) % n], barrier, results, i))
+                         args=(common, sets[i], sets[(i + 1) % n], barrier, results, i, forward_s))
              for i in range(n)]
     for p in procs:
         p.start()
@@ -448,12 +442,12 @@ def run(index_entries: int = 1_000_000, requests: int = 256, prompt_tokens: int 
                   block_size=BLOCK_SIZE, num_gpu_blocks=4 * blocks + 64,
                   max_num_batched_tokens=per_step, max_num_seqs=8, max_model_len=ntok + 64,
                   workdir=d, verify=False)
-    common["forward_s"] = forward_ms / 1e3      # (the bench's, not the harness's)
+    forward_s = forward_ms / 1e3
     out: dict = {"index_entries": index_entries, "requests": requests, "forward_ms": forward_ms,
                  "prompt_tokens": prompt_tokens, "tokens_per_step": per_step,
                  "thread_cpus": thread_cpus, "cpus": len(os.sched_getaffinity(0))}
     try:
-        with EngineHarness(**_harness_args(common)) as h:   # creates the store (its layout)
+        with EngineHarness(**common) as h:      # creates the store (its layout)
             # what the connector resolved (io_thread_nice's default depends on the platform)
             out["io_thread_nice"] = h.scheduler_connector.cfg.io_thread_nice
         if index_entries:
@@ -461,16 +455,16 @@ def run(index_entries: int = 1_000_000, requests: int = 256, prompt_tokens: int 
         if engines > 1:
             sets = [prompts] + [[[rng.randrange(10, 30000) for _ in range(ntok)]
                                  for _ in range(requests)] for _ in range(engines - 1)]
-            per = _several(common, sets, engines)
+            per = _several(common, sets, engines, forward_s)
             out["engines"] = per
             res = per[0]
         else:
-            res = _phases(common, prompts, index_thread=True)
+            res = _phases(common, prompts, index_thread=True, forward_s=forward_s)
         out["phases"] = {"store": res["store"], "load": res["load"]}
         out["table_build_s"] = res["table_build_s"]
         out["engine_open_s"] = res["engine_open_s"]
         if baseline:
-            b = _phases(common, prompts_b, index_thread=False)
+            b = _phases(common, prompts_b, index_thread=False, forward_s=forward_s)
             out["baseline"] = {"phases": {"store": b["store"], "load": b["load"]},
                                "engine_open_s": b["engine_open_s"]}
     finally:
