@@ -44,11 +44,17 @@ def main() -> None:
     a = ap.parse_args()
     if shutil.which("perf") is None:
         sys.exit("step_perf: `perf` is not installed (Debian: apt-get install linux-perf)")
+    tmp = tempfile.mkdtemp(prefix="kvstore-step-perf-")
+    try:
+        run(a, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
+
+def run(a, tmp: str) -> None:
     from kvstore.bench import connector_bench as cb
     from kvstore.cli import main as cli_main
 
-    tmp = tempfile.mkdtemp(prefix="kvstore-step-perf-")
     calls: list = []        # (phase, name, t0 ns, t1 ns, cpu ns), CLOCK_MONOTONIC
     procs: list = []
     state = {"phase": 0}
@@ -88,10 +94,13 @@ def main() -> None:
     cb._StepTimer.__init__, cb._StepTimer.result = init, result
     sys.argv = ["kvstore", "bench", "connector", "--index-entries", str(a.index_entries),
                 "--no-baseline", "--json"] + a.bench_args
+    import click
     buf = io.StringIO()
     try:
         with contextlib.redirect_stdout(buf):
             cli_main(standalone_mode=False)
+    except click.ClickException as exc:     # a bad bench option: click's message, no trace
+        sys.exit(f"step_perf: kvstore bench connector: {exc.format_message()}")
     finally:
         for p in procs:
             if p.poll() is None:
@@ -102,7 +111,6 @@ def main() -> None:
         print(f"bench {name} phase under perf: p50 {r['step_p50_ms']} / p99 {r['step_p99_ms']} / "
               f"max {r['step_max_ms']} ms per step, {r['steps']} steps")
         report(os.path.join(tmp, f"phase{ph}.data"), [c for c in calls if c[0] == ph], name, a.top)
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def samples(path: str) -> list[tuple[int, str]]:
