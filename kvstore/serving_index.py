@@ -47,8 +47,8 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvstore._keytable import (KeyTable, fingerprints, keys_with_packed, make_keys, pin_counts_add,
-                               pin_counts_remove)
+from kvstore._keytable import (KeySet, KeyTable, fingerprints, keys_with_packed, make_keys,
+                               pin_counts_add, pin_counts_remove)
 from kvstore.engine import DiskStore
 from kvstore.errors import KVStoreError, StoreFull
 from kvstore.index import Entry
@@ -84,8 +84,11 @@ class IndexEvent:
     #                                              committed: every key of the job, in order
     failed: int = 0                 # committed: blocks not committed (stale or write error)
     count: int = 0                  # committed: blocks committed (`items` may be left empty);
-    #                                 counted: new blocks a dry pool dropped (`count_dropped`)
+    #                                 counted: new blocks a dry pool dropped (`count_dropped`);
+    #                                 evicted: how many (`keys` may be left empty)
     fps: bytes = b""                # committed (commit_blocks): every key's fingerprint
+    #                                 (empty once the index thread released them itself)
+    released: bool = False          # committed: every key left the caller's `release` set
     error: Exception | None = None  # error: what failed (the step thread logs it once)
     what: str = ""
 
@@ -151,8 +154,12 @@ class ServingIndex:
     cross_hits = 0
 
     def __init__(self, store: DiskStore, *, pool_target: int = 1024, announce=None,
-                 probe_devices: str | None = None, thread_cpus: frozenset[int] | None = None):
+                 probe_devices: str | None = None, thread_cpus: frozenset[int] | None = None,
+                 evicted_keys: bool = True):
         self.store = store
+        # "evicted" events carry the evicted keys (KV events name them), or only their
+        # count: then the keys are freed here, not on the step thread that polls.
+        self._evicted_keys = evicted_keys
         # After a restart, every entry on disk is announced (KV events a router learns
         # from): `announce(keys)` makes a batch's events on the index thread, posted in
         # order with evictions and drops (an "announce" IndexEvent), two batches at most
@@ -475,15 +482,21 @@ class ServingIndex:
         self._ops.put(("commit", list(good), list(bad), tag))
 
     def commit_blocks(self, keys: list, slots: list, gens: list, failed=(), tag=None,
-                      packed: tuple | None = None, keys_back: bool = True) -> None:
+                      packed: tuple | None = None, keys_back: bool = True,
+                      release: KeySet | None = None) -> None:
         """commit() of parallel lists, block indices in `failed` aborted: the (key, slot,
         generation) tuples are made on the index thread, not the step thread. `packed` =
         (hashes, group runs): more blocks after `keys`, whose keys the index thread makes
         too. The "committed" event's `fps` are every block's key fingerprint, in order
         (`KeySet.discard_fingerprints`); its `keys` (every key) and `items` only with
-        `keys_back`: without, no key or tuple of the job is freed on the step thread."""
+        `keys_back`: without, no key or tuple of the job is freed on the step thread.
+        With `release` (the step thread's set of keys being stored), the index thread
+        discards every key of the job from it itself, under `_lock` once the good ones
+        are in the table (a walk sees each key in one or the other, never neither), and
+        the event's `fps` is empty: the step thread does no per-block work for a commit."""
         self._queued += 1
-        self._ops.put(("commit_blocks", keys, slots, gens, failed, tag, packed, keys_back))
+        self._ops.put(("commit_blocks", keys, slots, gens, failed, tag, packed, keys_back,
+                       release))
 
     def abort(self, items: Sequence[tuple]) -> None:
         """Queue: give (key, slot, generation) reservations back."""
@@ -716,7 +729,7 @@ class ServingIndex:
                             self._unkeyed(op[2], op[5], exc)
                             continue
                         self._commit(*_split_failed(keys, op[2], op[3], op[4]), op[5], keys,
-                                     op[7])
+                                     op[7], op[8])
                     elif kind == "abort":
                         self.index.abort(op[1])
                     elif kind == "drop":
@@ -830,15 +843,18 @@ class ServingIndex:
                 self._pool_slots.extend(slots)
                 self._pool_gens.extend(gens)
             if evicted:
-                self._post(IndexEvent("evicted", keys=evicted))
+                self._post(IndexEvent("evicted", keys=evicted if self._evicted_keys else [],
+                                      count=len(evicted)))
             if len(slots) < n:
                 return      # everything left is pinned or reserved: try again later
 
     def _commit(self, good: list[tuple], bad: list[tuple], tag, keys: list | None = None,
-                keys_back: bool = True) -> None:
+                keys_back: bool = True, release: KeySet | None = None) -> None:
         """Abort bad, commit good; post the "committed" event (with `keys`: their
-        fingerprints, and with `keys_back` the keys and committed items too)."""
+        fingerprints, or with `release` those discarded from it here; with `keys_back` the
+        keys and committed items too)."""
         failed = len(bad)
+        released = False
         try:
             fps = fingerprints(keys) if keys is not None else b""
         except Exception:   # (no memory) the keys themselves, then
@@ -868,21 +884,38 @@ class ServingIndex:
                     ks, ss, gs = (list(x) for x in zip(*live))
                 with self._lock:            # a duplicate keeps the existing entry
                     self._table.put_many(ks, ss, gs)
+                    released = self._release(release, fps)
         except Exception as exc:
             # The index cannot be written (disk full...): the store is dropped and its
             # reservations are given back when the index can be written again.
+            if not released:
+                with self._lock:
+                    released = self._release(release, fps)
             self._post(IndexEvent("committed", tag=tag, failed=len(good) + len(bad), error=exc,
-                                  keys=back, fps=fps))
+                                  keys=back, fps=b"" if released else fps, released=released))
             self._retry_abort(list(good) + list(bad))
             return
         finally:
             self._applied += 1
+        if not released:        # nothing was put in the table (every block bad)
+            with self._lock:
+                released = self._release(release, fps)
         try:
             self._gauges = self._read_gauges()  # the step that takes the event sees them
         except KVStoreError:
             pass
         self._post(IndexEvent("committed", tag=tag, items=live if keys_back else [],
-                              count=len(live), failed=failed, keys=back, fps=fps))
+                              count=len(live), failed=failed, keys=back,
+                              fps=b"" if released else fps, released=released))
+
+    @staticmethod
+    def _release(release: KeySet | None, fps: bytes) -> bool:
+        """Discard fps from `release` (the caller holds `_lock`); False when there is no
+        set or no fingerprints (the step thread discards the keys then)."""
+        if release is None or not fps:
+            return False
+        release.discard_fingerprints(fps)
+        return True
 
     def _unkeyed(self, slots: list, tag, exc: Exception) -> None:
         """A commit whose keys could not be made: its reservations go back (by slot), and
@@ -1063,17 +1096,18 @@ class SyncServingIndex(ServingIndex):
         except StoreFull:
             return [], []
         if evicted:
-            self._post(IndexEvent("evicted", keys=[e.key for e in evicted]))
+            self._post(IndexEvent("evicted", keys=[e.key for e in evicted], count=len(evicted)))
         return [s for _, s, _ in items], [g for _, _, g in items]
 
     def commit(self, good, bad=(), tag=None):
         self._queued += 1
         self._commit(list(good), list(bad), tag)
 
-    def commit_blocks(self, keys, slots, gens, failed=(), tag=None, packed=None, keys_back=True):
+    def commit_blocks(self, keys, slots, gens, failed=(), tag=None, packed=None, keys_back=True,
+                      release=None):
         keys = keys_with_packed(keys, packed)
         self._queued += 1
-        self._commit(*_split_failed(keys, slots, gens, failed), tag, keys, keys_back)
+        self._commit(*_split_failed(keys, slots, gens, failed), tag, keys, keys_back, release)
 
     def _retry_abort(self, items):
         try:

@@ -223,6 +223,38 @@ def test_a_committed_event_gives_back_fingerprints_and_keys_only_when_asked(tmp_
         st.close()
 
 
+@pytest.mark.parametrize("all_bad", [False, True])
+def test_the_index_thread_releases_a_committed_jobs_keys_from_the_being_stored_set(
+        tmp_path, all_bad):
+    """With `release`, the index thread discards every key of the job (committed or
+    failed) from the step thread's "being stored" set itself, after the good ones are in
+    the table; the event says so and carries no fingerprints: the step thread does no
+    per-block work for a commit. Keys of other jobs stay in the set."""
+    st, ix = _serving_index(tmp_path, 16)
+    try:
+        assert ix.wait_ready(10)
+        hashes = [os.urandom(32) for _ in range(5)]
+        other = [os.urandom(32) for _ in range(2)]
+        storing = KeySet()
+        got, _, _ = ix.plan_new(hashes, 0, 5, list(range(5)), storing, 10, 0, True)
+        ix.plan_new(other, 0, 2, [7, 8], storing, 10, 0, True)
+        assert len(storing) == 7
+        slots, gens = ix.take([], (got, [(0, 5)]))
+        failed = set(range(5)) if all_bad else {1}
+        ix.commit_blocks([], slots, gens, failed, tag="job", packed=(got, [(0, 5)]),
+                         keys_back=False, release=storing)
+        ix.flush()
+        (ev,) = [e for e in ix.poll() if e.kind == "committed"]
+        assert ev.released and ev.fps == b"" and ev.failed == len(failed)
+        keys = make_keys(hashes, [(0, 5)])
+        assert [k in storing for k in keys] == [False] * 5
+        assert [k in storing for k in make_keys(other, [(0, 2)])] == [True, True]
+        assert [ix.contains(k) for k in keys] == [i not in failed for i in range(5)]
+    finally:
+        ix.close()
+        st.close()
+
+
 def test_a_pool_that_runs_short_stores_a_prefix_and_releases_the_rest(tmp_path):
     """A slot pool of 3 for a 6-block prompt: the plan is cut inside its packed blocks;
     the first 3 are stored, the other 3 are dropped (counted) and leave the "being

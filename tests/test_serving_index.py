@@ -304,11 +304,28 @@ def test_pinned_slots_are_never_evicted_into_the_pool(tmp_path):
     assert all(ix.contains(r.key) for r in a + c)
     assert not any(ix.contains(r.key) for r in b)
     assert all(st.lookup(r.key) is None for r in b)        # LMDB agrees with the table
-    evicted = [x for e in ix.poll() if e.kind == "evicted" for x in e.keys]
-    assert sorted(evicted) == sorted(r.key for r in b)
+    evs = [e for e in ix.poll() if e.kind == "evicted"]
+    assert sorted(x for e in evs for x in e.keys) == sorted(r.key for r in b)
+    assert [e.count for e in evs] == [len(e.keys) for e in evs]
     ix.unpin(r.slot for r in pinned)
     ix.close()
     assert st.index.check_consistency() == []
+    st.close()
+
+
+def test_evicted_events_carry_only_a_count_when_no_kv_events_need_the_keys(tmp_path):
+    """Without KV events the step thread needs only how many entries were evicted: the
+    index thread keeps (and frees) the keys, the event carries their count."""
+    st = make(tmp_path, 8)
+    ix = ServingIndex(st, pool_target=4, evicted_keys=False)
+    ix.wait_ready(10)
+    a = store_keys(ix, [k(i) for i in range(4)])
+    store_keys(ix, [k(i) for i in range(4, 8)])         # full: the refill evicts A
+    ix.flush()
+    evs = [e for e in ix.poll() if e.kind == "evicted"]
+    assert sum(e.count for e in evs) == 4 and all(e.keys == [] for e in evs)
+    assert not any(ix.contains(r.key) for r in a)
+    ix.close()
     st.close()
 
 

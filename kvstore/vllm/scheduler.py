@@ -91,7 +91,8 @@ class KVStoreScheduler:
                 self.index = ServingIndex(
                     self.store, pool_target=pool,
                     announce=self._announce_events if events_enabled else None,
-                    probe_devices=cfg.io_mode, thread_cpus=cfg.thread_cpus)
+                    probe_devices=cfg.io_mode, thread_cpus=cfg.thread_cpus,
+                    evicted_keys=events_enabled)
             else:
                 self.index = SyncServingIndex(self.store, probe_devices=cfg.io_mode)
         except BaseException:
@@ -703,8 +704,14 @@ class KVStoreScheduler:
         # The keys of st.packed are made by the index thread. After a reset every block
         # is aborted (nothing is committed).
         failed = set(range(len(st.slots))) if st.reset else st.failed
+        # The index thread releases the job's keys from `_storing_keys` itself, once its
+        # good blocks are in the table: no per-block work here when the commit comes back.
         self.index.commit_blocks(st.keys, st.slots, st.generations, failed, tag=st,
-                                 packed=st.packed, keys_back=self.events_enabled)
+                                 packed=st.packed, keys_back=self.events_enabled,
+                                 release=self._storing_keys)
+        # The queued commit holds vLLM's hashes now, mostly their last reference (the
+        # requests have finished): they are freed on the index thread, not here.
+        st.packed = None
 
     def _index_events(self) -> None:
         """Outcomes of the index thread: commits applied, entries evicted or dropped."""
@@ -712,12 +719,13 @@ class KVStoreScheduler:
             if ev.kind == "committed":
                 st = ev.tag
                 self._committing -= 1
-                # every key of the job, made by the index thread: as fingerprints (no key
-                # hashed or freed here), and as keys when KV events need them
+                # every key of the job left `_storing_keys` on the index thread (`release`);
+                # as fingerprints if it could not release them, as keys when it could not
+                # make fingerprints; `keys` when KV events need them
                 keys = ev.keys
                 if ev.fps:
                     self._storing_keys.discard_fingerprints(ev.fps)
-                else:   # a commit the index thread could not key (or the baseline's)
+                elif not ev.released:   # a commit the index thread could not key
                     keys = keys or _keys_or_made(st)
                     self._storing_keys.difference_update(keys)
                 if ev.error is not None:
@@ -731,7 +739,7 @@ class KVStoreScheduler:
                 if ev.items and self.events_enabled:
                     self._emit_stored(ev.items, st, keys)
             elif ev.kind == "evicted":
-                self._stats.add(evicted_blocks=len(ev.keys))
+                self._stats.add(evicted_blocks=ev.count)
                 self._emit_removed(ev.keys)
             elif ev.kind == "counted":     # new blocks a dry pool dropped
                 self._counting -= 1
@@ -947,7 +955,9 @@ class _Plan:
 
 
 def _keys_or_made(st: InflightStore) -> list[bytes]:
-    """Every key of st, or the ones made at planning if the rest cannot be made."""
+    """Every key of st, or the ones made at planning if the rest cannot be made. (Once
+    its commit is queued, st's packed blocks went with it: a commit the index thread
+    could not key leaves their keys claimed, and this engine does not store them again.)"""
     try:
         return st.all_keys()
     except Exception:   # (no memory) what was made at planning, then
