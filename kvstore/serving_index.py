@@ -152,6 +152,7 @@ class ServingIndex:
     lease = None        # the store's `kvstore.shared.Lease` (None: not shared, or the baseline)
     reclaimed = 0
     cross_hits = 0
+    _hits = _misses = 0     # (class defaults: the synchronous baseline counts at once)
 
     def __init__(self, store: DiskStore, *, pool_target: int = 1024, announce=None,
                  probe_devices: str | None = None, thread_cpus: frozenset[int] | None = None,
@@ -202,6 +203,7 @@ class ServingIndex:
         self._events: deque[IndexEvent] = deque()
         self._posted = threading.Event()
         self._queued = 0            # commits queued and not applied (step thread reads)
+        self._hits = self._misses = 0   # counted by the step thread, not sent yet
         self._applied = 0
         self._closed = False
         self._gauges = self._read_gauges()
@@ -471,6 +473,7 @@ class ServingIndex:
                 slots, gens = self._pool_slots[:want], self._pool_gens[:want]
                 del self._pool_slots[:want], self._pool_gens[:want]
         if want:    # taken from, or dry (pins may have gone since): the index thread refills
+            self._send_counts()
             self._ops.put(("refill",))
         return slots, gens
 
@@ -530,7 +533,18 @@ class ServingIndex:
         self._ops.put(("drop_all",))
 
     def count_hits(self, hits: int, misses: int) -> None:
-        self._ops.put(("count", hits, misses))
+        """Add to the store's hit/miss counters. Summed here and handed to the index
+        thread with the step's next operation (`_send_counts`): a queued operation wakes
+        the index thread, which on a busy machine is put on the step thread's CPU and
+        preempts it in the middle of the connector's call, only to wait for the GIL the
+        step thread holds (issue 14)."""
+        self._hits += hits
+        self._misses += misses
+
+    def _send_counts(self) -> None:
+        if self._hits or self._misses:
+            self._ops.put(("count", self._hits, self._misses))
+            self._hits = self._misses = 0
 
     # -- failed devices (issue 15) --------------------------------------------------
     def fence_device(self, dev: int, reason: str = "io_error") -> bool:
@@ -608,7 +622,9 @@ class ServingIndex:
         return self._announce is not None
 
     def poll(self) -> list[IndexEvent]:
-        """Outcomes of the index thread since the last poll."""
+        """Outcomes of the index thread since the last poll (and the counts summed since
+        the last operation go to it: counters never wait more than a step)."""
+        self._send_counts()
         out = []
         ev = self._events
         while ev:
@@ -632,6 +648,7 @@ class ServingIndex:
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until every queued operation is applied (tests, benchmarks, shutdown)."""
         done = threading.Event()
+        self._send_counts()
         self._ops.put(("mark", done))
         if not done.wait(timeout):
             raise KVStoreError(f"index thread did not catch up within {timeout:.0f}s")
@@ -641,6 +658,7 @@ class ServingIndex:
         if self._closed:
             return
         self._closed = True
+        self._send_counts()
         self._ops.put(("stop",))
         self._thread.join(timeout=120)
         self.index.pause = None

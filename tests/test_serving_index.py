@@ -588,3 +588,28 @@ def test_items_and_slotrefs_are_sequences_made_of_three_lists():
         SlotRefs(keys, slots[:4], gens)
     with pytest.raises(ValueError, match="4 generations"):
         Items(keys, slots, gens[:4])
+
+
+def test_lookup_counts_wait_for_the_steps_next_operation_and_are_never_lost(tmp_path):
+    """count_hits does not wake the index thread (a queued operation would): the counts
+    go with the next take, poll, flush or close, and every one reaches the store."""
+    st = make(tmp_path, 16)
+    ix = ServingIndex(st, pool_target=4)
+    ix.wait_ready(10)
+    ix.flush()
+    before = st.index.stats()
+    ix.count_hits(3, 1)
+    ix.count_hits(2, 0)
+    assert ix._ops.qsize() == 0             # nothing queued yet
+    ix.poll()                               # a step's poll sends them
+    ix.flush()
+    st.index.flush()
+    mid = st.index.stats()
+    assert (mid["hits"] - before["hits"], mid["misses"] - before["misses"]) == (5, 1)
+    ix.count_hits(0, 4)
+    ix.take([k(0)])                         # a take sends them with its refill
+    ix.count_hits(7, 0)
+    ix.close()                              # and close sends what is left
+    after = st.index.stats()
+    assert (after["hits"] - mid["hits"], after["misses"] - mid["misses"]) == (7, 4)
+    st.close()

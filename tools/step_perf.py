@@ -151,6 +151,17 @@ def report(path: str, calls: list, phase: str, top: int) -> None:
             hist[min(k, 10)] += 1
     print(f"  calls by samples in the table's C walks (0.1 ms each; 10 = 10 or more): "
           + json.dumps(dict(sorted(hist.items()))))
+    # Where each kind of call spends its CPU over the whole phase: a call is shorter than
+    # a sample period, but hundreds of them add up to a profile.
+    by_call: dict[str, collections.Counter] = {}
+    for c in busy:
+        by_call.setdefault(c[1], collections.Counter()).update(s[1][:40] for s in inside(c))
+    print("  samples inside each kind of call over the phase (0.1 ms each), top symbols:")
+    for name, syms in sorted(by_call.items(), key=lambda kv: -sum(kv[1].values())):
+        n = sum(syms.values())
+        if n:
+            print(f"    {name:<28} {n:6d}  " + ", ".join(
+                f"{k} {100 * v / n:.0f}%" for k, v in syms.most_common(top)))
 
 
 if __name__ == "__main__":
