@@ -438,7 +438,9 @@ class ServingIndex:
             self._table.pin(slots)
 
     def unpin(self, slots: Iterable[int]) -> None:
-        slots = slots if isinstance(slots, list) else list(slots)
+        # a lookup's array('I') goes to the table as it is (no int object per slot)
+        if not isinstance(slots, (list, array.array)):
+            slots = list(slots)
         if slots:
             with self._lock:
                 self._table.unpin(slots)

@@ -613,3 +613,22 @@ def test_lookup_counts_wait_for_the_steps_next_operation_and_are_never_lost(tmp_
     after = st.index.stats()
     assert (after["hits"] - mid["hits"], after["misses"] - mid["misses"]) == (7, 4)
     st.close()
+
+
+def test_a_packed_lookups_pins_are_released_from_its_array(tmp_path):
+    """The step thread unpins a load's slots as the lookup returned them (an array('I'),
+    no int object per slot): every pin goes, and only those."""
+    st = make(tmp_path, 16)
+    ix = ServingIndex(st, pool_target=4)
+    ix.wait_ready(10)
+    hashes = [b"h%031d" % i for i in range(4)]
+    refs = store_keys(ix, [h + b"\0\0\0\0" for h in hashes])
+    _, slots, _ = ix.lookup_hashes(hashes, 0, 4, packed=True)
+    _, again, _ = ix.lookup_hashes(hashes, 0, 2, packed=True)
+    assert list(slots) == [r.slot for r in refs] and ix.pinned_slots == 4
+    ix.unpin(slots)
+    assert ix.pin_counts() == {refs[0].slot: 1, refs[1].slot: 1}
+    ix.unpin(again)
+    assert ix.pinned_slots == 0
+    ix.close()
+    st.close()
