@@ -152,11 +152,15 @@ def report(path: str, calls: list, phase: str, top: int) -> None:
     print(f"  calls by samples in the table's C walks (0.1 ms each; 10 = 10 or more): "
           + json.dumps(dict(sorted(hist.items()))))
     # Where each kind of call spends its CPU over the whole phase: a call is shorter than
-    # a sample period, but hundreds of them add up to a profile.
+    # a sample period, but hundreds of them add up to a profile. Calls of 20 us or more
+    # only: the load phase's idle steps (hundreds of thousands of 5 us calls) would
+    # drown the steps that do work.
     by_call: dict[str, collections.Counter] = {}
     for c in busy:
-        by_call.setdefault(c[1], collections.Counter()).update(s[1][:40] for s in inside(c))
-    print("  samples inside each kind of call over the phase (0.1 ms each), top symbols:")
+        if c[3] - c[2] >= 20_000:
+            by_call.setdefault(c[1], collections.Counter()).update(s[1][:40] for s in inside(c))
+    print("  samples inside each kind of call of 20 us or more over the phase (0.1 ms "
+          "each), top symbols:")
     for name, syms in sorted(by_call.items(), key=lambda kv: -sum(kv[1].values())):
         n = sum(syms.values())
         if n:

@@ -162,12 +162,14 @@ class KVStoreScheduler:
         req_id = request.request_id
         self._requests[req_id] = request
         cand = self._candidates.get(req_id)
-        if cand is not None and cand[0] == num_computed_tokens // self.block_size:
-            # Re-entry while the request waits for GPU blocks: the pinned lookup result
-            # is still valid (pins keep it from eviction; a block dropped since then
-            # fails verification on load and is recomputed), so skip the index walk.
-            return (cand[1] - cand[0]) * self.block_size, True
-        self._release_candidate(req_id)
+        if cand is not None:
+            if cand[0] == num_computed_tokens // self.block_size:
+                # Re-entry while the request waits for GPU blocks: the pinned lookup
+                # result is still valid (pins keep it from eviction; a block dropped
+                # since then fails verification on load and is recomputed), so skip the
+                # index walk.
+                return (cand[1] - cand[0]) * self.block_size, True
+            self._release_candidate(req_id)
         if getattr(request.sampling_params, "skip_reading_prefix_cache", False) or \
                 req_id in self._inflight_loads or req_id in self._load_failed:
             return 0, False
@@ -190,7 +192,7 @@ class KVStoreScheduler:
             return 0, False
         n = len(slots)
         if not n:
-            self._stats.add(miss_lookups=1)
+            self._stats.data["miss_lookups"] += 1   # (a counter: always present)
             self.index.count_hits(0, 1)
             return 0, False
         self._candidates[req_id] = (start, start + n, slots, gens)
@@ -616,8 +618,8 @@ class KVStoreScheduler:
             self._storing_keys.difference_update(plan.cut(n))
         if not n:
             return []
-        job = StoreJob(self._job_id(), plan.bids + plan.pbids, plan.keys, slots, gens,
-                       plan.hashes, plan.groups)
+        job = StoreJob(self._job_id(), plan.bids + plan.pbids if plan.bids else plan.pbids,
+                       plan.keys, slots, gens, plan.hashes, plan.groups)
         self._inflight_stores[job.job_id] = InflightStore(
             keys=plan.keys, slots=slots, generations=gens, origins=plan.origins,
             started=time.monotonic(), packed=job.packed)
@@ -929,8 +931,11 @@ class _Plan:
         return (self.hashes, self.groups) if self.hashes else None
 
     def add_packed(self, hashes: list, bids: list, g: int) -> None:
-        self.hashes += hashes
-        self.pbids += bids
+        if self.hashes:
+            self.hashes += hashes
+            self.pbids += bids
+        else:       # a step's first walk (mostly its only one): its lists, not a copy
+            self.hashes, self.pbids = hashes, bids
         if self.groups and self.groups[-1][0] == g:
             self.groups[-1] = (g, self.groups[-1][1] + len(hashes))
         else:
