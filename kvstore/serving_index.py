@@ -89,6 +89,7 @@ class IndexEvent:
     fps: bytes = b""                # committed (commit_blocks): every key's fingerprint
     #                                 (empty once the index thread released them itself)
     released: bool = False          # committed: every key left the caller's `release` set
+    packed: tuple | None = None     # committed, unkeyed: the job's (hashes, group runs)
     error: Exception | None = None  # error: what failed (the step thread logs it once)
     what: str = ""
 
@@ -746,7 +747,7 @@ class ServingIndex:
                         try:
                             keys = keys_with_packed(op[1], op[6])
                         except Exception as exc:    # (the walk made them: no memory)
-                            self._unkeyed(op[2], op[5], exc)
+                            self._unkeyed(op[2], op[5], exc, op[6])
                             continue
                         self._commit(*_split_failed(keys, op[2], op[3], op[4]), op[5], keys,
                                      op[7], op[8])
@@ -937,12 +938,14 @@ class ServingIndex:
         release.discard_fingerprints(fps)
         return True
 
-    def _unkeyed(self, slots: list, tag, exc: Exception) -> None:
+    def _unkeyed(self, slots: list, tag, exc: Exception, packed: tuple | None = None) -> None:
         """A commit whose keys could not be made: its reservations go back (by slot), and
         its "committed" event reports every block failed, so the step thread is never
-        left waiting for it."""
+        left waiting for it; the event hands `packed` back (the step thread releases what
+        keys of it it can)."""
         self._applied += 1
-        self._post(IndexEvent("committed", tag=tag, failed=len(slots), error=exc))
+        self._post(IndexEvent("committed", tag=tag, failed=len(slots), error=exc,
+                              packed=packed))
         self._retry_abort(list(slots))
 
     def _retry_abort(self, items: list[tuple]) -> None:

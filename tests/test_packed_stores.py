@@ -293,6 +293,7 @@ def test_a_commit_whose_keys_cannot_be_made_reports_every_block_failed(tmp_path)
         ix.flush()
         (ev,) = [e for e in ix.poll() if e.kind == "committed"]
         assert ev.tag == "bad" and ev.failed == 4 and ev.count == 0 and ev.error is not None
+        assert ev.packed == (hashes, [(0, 3)]) and not ev.released   # for the step thread
         assert ix.pending_commits() == 0
         ix.flush()      # (a refill may follow the abort)
         # the job's slots were given back: what stays reserved is the pool, nothing else

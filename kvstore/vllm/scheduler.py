@@ -728,7 +728,7 @@ class KVStoreScheduler:
                 if ev.fps:
                     self._storing_keys.discard_fingerprints(ev.fps)
                 elif not ev.released:   # a commit the index thread could not key
-                    keys = keys or _keys_or_made(st)
+                    keys = keys or _keys_or_made(st, ev.packed)
                     self._storing_keys.difference_update(keys)
                 if ev.error is not None:
                     # The index cannot be written (e.g. the disk is full): the store is
@@ -959,12 +959,12 @@ class _Plan:
         return dropped
 
 
-def _keys_or_made(st: InflightStore) -> list[bytes]:
-    """Every key of st, or the ones made at planning if the rest cannot be made. (Once
-    its commit is queued, st's packed blocks went with it: a commit the index thread
-    could not key leaves their keys claimed, and this engine does not store them again.)"""
+def _keys_or_made(st: InflightStore, packed: tuple | None = None) -> list[bytes]:
+    """Every key of st, or the ones made at planning if the rest cannot be made. Once its
+    commit is queued, st's packed blocks went with it: `packed` is what the index thread
+    handed back with a commit it could not key."""
     try:
-        return st.all_keys()
+        return keys_with_packed(st.keys, packed) if packed is not None else st.all_keys()
     except Exception:   # (no memory) what was made at planning, then
         return st.keys
 
