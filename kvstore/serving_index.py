@@ -876,6 +876,7 @@ class ServingIndex:
         keys and committed items too)."""
         failed = len(bad)
         released = False
+        error: Exception | None = None
         try:
             fps = fingerprints(keys) if keys is not None else b""
         except Exception:   # (no memory) the keys themselves, then
@@ -909,25 +910,26 @@ class ServingIndex:
         except Exception as exc:
             # The index cannot be written (disk full...): the store is dropped and its
             # reservations are given back when the index can be written again.
-            if not released:
-                with self._lock:
-                    released = self._release(release, fps)
-            self._post(IndexEvent("committed", tag=tag, failed=len(good) + len(bad), error=exc,
-                                  keys=back, fps=b"" if released else fps, released=released))
-            self._retry_abort(list(good) + list(bad))
-            return
+            error = exc
         finally:
             self._applied += 1
-        if not released:        # nothing was put in the table (every block bad)
+        if not released:        # nothing was put in the table (every block bad, or an error)
             with self._lock:
                 released = self._release(release, fps)
+        if released:
+            fps = b""
+        if error is not None:
+            self._post(IndexEvent("committed", tag=tag, failed=len(good) + len(bad), error=error,
+                                  keys=back, fps=fps, released=released))
+            self._retry_abort(list(good) + list(bad))
+            return
         try:
             self._gauges = self._read_gauges()  # the step that takes the event sees them
         except KVStoreError:
             pass
         self._post(IndexEvent("committed", tag=tag, items=live if keys_back else [],
-                              count=len(live), failed=failed, keys=back,
-                              fps=b"" if released else fps, released=released))
+                              count=len(live), failed=failed, keys=back, fps=fps,
+                              released=released))
 
     @staticmethod
     def _release(release: KeySet | None, fps: bytes) -> bool:

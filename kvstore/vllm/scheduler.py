@@ -192,7 +192,7 @@ class KVStoreScheduler:
             return 0, False
         n = len(slots)
         if not n:
-            self._stats.data["miss_lookups"] += 1   # (a counter: always present)
+            self._stats.add(miss_lookups=1)
             self.index.count_hits(0, 1)
             return 0, False
         self._candidates[req_id] = (start, start + n, slots, gens)
