@@ -10,8 +10,7 @@ sits between it and the store's LMDB `Index`:
   before their slots are handed out);
 - **writes** (`commit`, `abort`, `touch`, `drop`, hit counters) are queued to the index
   thread and never waited for; their outcomes (entries committed, evicted, dropped) come
-  back through `poll`. Touches and hit counters do not wake it: they go with the next
-  operation that does (a commit, mostly), `_LAZY_S` later at most (`_put`).
+  back through `poll`.
 
 LMDB stays the durable truth and the table follows it: a key enters the table only after
 its commit is fsynced (so a hit is always durable), and leaves it before LMDB forgets it.
@@ -68,9 +67,6 @@ _YIELD_S = 0.0001
 # came, went or died (reclaiming a dead one's reservations), and sweeps the table of
 # entries other engines evicted (a slice of the table per round).
 _PEERS_EVERY_S = 0.5
-# The longest touches and hit counters wait on the step thread for an operation to go with
-# (checked at every `poll`, once a step).
-_LAZY_S = 0.5
 # The index thread counts a dry pool's dropped blocks in slices this long (`count_dropped`).
 _COUNT_SLICE = 128
 _SWEEP_BUCKETS = 1 << 16
@@ -158,7 +154,6 @@ class ServingIndex:
     reclaimed = 0
     cross_hits = 0
     _hits = _misses = 0     # (class defaults: the synchronous baseline counts at once)
-    _lazy: list | tuple = ()
 
     def __init__(self, store: DiskStore, *, pool_target: int = 1024, announce=None,
                  probe_devices: str | None = None, thread_cpus: frozenset[int] | None = None,
@@ -210,8 +205,6 @@ class ServingIndex:
         self._posted = threading.Event()
         self._queued = 0            # commits queued and not applied (step thread reads)
         self._hits = self._misses = 0   # counted by the step thread, not sent yet
-        self._lazy: list = []           # touches not sent yet (`_put`)
-        self._lazy_since = 0.0          # when the oldest of them (or of the counts) came
         self._applied = 0
         self._closed = False
         self._gauges = self._read_gauges()
@@ -404,7 +397,7 @@ class ServingIndex:
         to); `skip` (the keys being stored) is read under the GIL, as the step thread
         changes it. Queuing it also refills the pool (every round of the index thread
         does)."""
-        self._put(("count_new", hashes, start, stop, skip, group))
+        self._ops.put(("count_new", hashes, start, stop, skip, group))
 
     def available(self) -> int:
         """Slots in the pool now: how many blocks a store planned this step can take (only
@@ -482,11 +475,9 @@ class ServingIndex:
             else:
                 slots, gens = self._pool_slots[:want], self._pool_gens[:want]
                 del self._pool_slots[:want], self._pool_gens[:want]
-        # Every round of the index thread refills the pool, and a store's commit (a step
-        # later, mostly) wakes it: a take wakes it only for a pool half empty, or dry
-        # (pins may have gone since). A wake-up on a busy machine preempts the step thread.
-        if want and 2 * len(self._pool_slots) < self.pool_target:
-            self._put(("refill",))
+        if want:    # taken from, or dry (pins may have gone since): the index thread refills
+            self._send_counts()
+            self._ops.put(("refill",))
         return slots, gens
 
     def commit(self, good: Sequence[tuple], bad: Sequence[tuple] = (), tag=None) -> None:
@@ -494,7 +485,7 @@ class ServingIndex:
         every rank) with one fsync; a "committed" event with `tag` follows. Keys become hits
         once it is applied."""
         self._queued += 1
-        self._put(("commit", list(good), list(bad), tag))
+        self._ops.put(("commit", list(good), list(bad), tag))
 
     def commit_blocks(self, keys: list, slots: list, gens: list, failed=(), tag=None,
                       packed: tuple | None = None, keys_back: bool = True,
@@ -510,48 +501,23 @@ class ServingIndex:
         are in the table (a walk sees each key in one or the other, never neither), and
         the event's `fps` is empty: the step thread does no per-block work for a commit."""
         self._queued += 1
-        self._put(("commit_blocks", keys, slots, gens, failed, tag, packed, keys_back,
-                   release))
+        self._ops.put(("commit_blocks", keys, slots, gens, failed, tag, packed, keys_back,
+                       release))
 
     def abort(self, items: Sequence[tuple]) -> None:
         """Queue: give (key, slot, generation) reservations back."""
         if items:
-            self._put(("abort", list(items)))
+            self._ops.put(("abort", list(items)))
 
     def touch(self, keys: Sequence[bytes]) -> None:
-        """Make keys the most recently used. Goes to the index thread with the next
-        operation that wakes it (`_put`): the LRU order may lag half a second."""
         if keys:
-            self._later(("touch", list(keys)))
+            self._ops.put(("touch", list(keys)))
 
     def touch_blocks(self, runs: list[tuple[list, list]]) -> None:
         """touch() of packed hits: (hashes, group runs) each, as a LoadJob carries them;
         their keys are made on the index thread (`make_keys`)."""
         if runs:
-            self._later(("touch_blocks", runs))
-
-    def _later(self, op: tuple) -> None:
-        if not self._lazy and not (self._hits or self._misses):
-            self._lazy_since = time.monotonic()
-        self._lazy.append(op)
-
-    def _put(self, op: tuple | None = None) -> None:
-        """Queue `op` for the index thread, after the touches and counts that wait for
-        one (one queue item: one wake-up). A wake-up is what costs the step thread: on a
-        busy machine the kernel puts the woken index thread on the waker's CPU, where it
-        preempts the step thread in the middle of the connector's call, only to wait for
-        the GIL the step thread holds (issue 14)."""
-        lazy = self._lazy
-        if self._hits or self._misses:
-            lazy.append(("count", self._hits, self._misses))
-            self._hits = self._misses = 0
-        if lazy:
-            self._lazy = []
-            if op is not None:
-                lazy.append(op)
-            self._ops.put(("ops", lazy))
-        elif op is not None:
-            self._ops.put(op)
+            self._ops.put(("touch_blocks", runs))
 
     def drop(self, keys: Sequence[bytes]) -> None:
         """Remove entries (a load found them bad): no new lookup hits them from now on; a
@@ -561,22 +527,27 @@ class ServingIndex:
         keys = list(keys)
         with self._lock:
             self._table.remove_many(keys)
-        self._put(("drop", keys))
+        self._ops.put(("drop", keys))
 
     def drop_all(self) -> None:
         """Every committed entry goes (reset_cache): misses from now on."""
         with self._lock:
             self._table.clear()
-        self._put(("drop_all",))
+        self._ops.put(("drop_all",))
 
     def count_hits(self, hits: int, misses: int) -> None:
         """Add to the store's hit/miss counters. Summed here and handed to the index
-        thread with the next operation that wakes it (`_put`), half a second later at
-        most."""
-        if not self._lazy and not (self._hits or self._misses):
-            self._lazy_since = time.monotonic()
+        thread with the step's next operation (`_send_counts`): a queued operation wakes
+        the index thread, which on a busy machine is put on the step thread's CPU and
+        preempts it in the middle of the connector's call, only to wait for the GIL the
+        step thread holds (issue 14)."""
         self._hits += hits
         self._misses += misses
+
+    def _send_counts(self) -> None:
+        if self._hits or self._misses:
+            self._ops.put(("count", self._hits, self._misses))
+            self._hits = self._misses = 0
 
     # -- failed devices (issue 15) --------------------------------------------------
     def fence_device(self, dev: int, reason: str = "io_error") -> bool:
@@ -590,7 +561,7 @@ class ServingIndex:
         with self._lock:
             self._table.remove_device(self.ndev, dev)
         removed = self._purge_pool(dev)
-        self._put(("fence", dev, reason, removed))
+        self._ops.put(("fence", dev, reason, removed))
         return True
 
     # A fence of these reasons is lifted at open once the device probes fine (it was
@@ -654,11 +625,9 @@ class ServingIndex:
         return self._announce is not None
 
     def poll(self) -> list[IndexEvent]:
-        """Outcomes of the index thread since the last poll (and the touches and counts
-        that waited `_LAZY_S` for an operation go to it)."""
-        if (self._lazy or self._hits or self._misses) \
-                and time.monotonic() - self._lazy_since >= _LAZY_S:
-            self._put()
+        """Outcomes of the index thread since the last poll (and the counts summed since
+        the last operation go to it: counters never wait more than a step)."""
+        self._send_counts()
         out = []
         ev = self._events
         while ev:
@@ -682,7 +651,8 @@ class ServingIndex:
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until every queued operation is applied (tests, benchmarks, shutdown)."""
         done = threading.Event()
-        self._put(("mark", done))
+        self._send_counts()
+        self._ops.put(("mark", done))
         if not done.wait(timeout):
             raise KVStoreError(f"index thread did not catch up within {timeout:.0f}s")
 
@@ -691,7 +661,8 @@ class ServingIndex:
         if self._closed:
             return
         self._closed = True
-        self._put(("stop",))
+        self._send_counts()
+        self._ops.put(("stop",))
         self._thread.join(timeout=120)
         self.index.pause = None
         if self._thread.is_alive():
@@ -754,8 +725,6 @@ class ServingIndex:
                     ops.append(self._ops.get_nowait())
                 except queue.Empty:
                     break
-            if any(op[0] == "ops" for op in ops):   # what waited for a wake-up, in order
-                ops = [o for op in ops for o in (op[1] if op[0] == "ops" else (op,))]
             touches: list[bytes] = []
             hits = misses = 0
             marks = []

@@ -590,12 +590,9 @@ def test_items_and_slotrefs_are_sequences_made_of_three_lists():
         Items(keys, slots, gens[:4])
 
 
-def test_lookup_counts_wait_for_the_steps_next_operation_and_are_never_lost(tmp_path,
-                                                                          monkeypatch):
+def test_lookup_counts_wait_for_the_steps_next_operation_and_are_never_lost(tmp_path):
     """count_hits does not wake the index thread (a queued operation would): the counts
-    go with the next operation that does (a commit, a refill, flush, close), or with a
-    poll once they have waited _LAZY_S, and every one reaches the store."""
-    import kvstore.serving_index as si
+    go with the next take, poll, flush or close, and every one reaches the store."""
     st = make(tmp_path, 16)
     ix = ServingIndex(st, pool_target=4)
     ix.wait_ready(10)
@@ -603,74 +600,18 @@ def test_lookup_counts_wait_for_the_steps_next_operation_and_are_never_lost(tmp_
     before = st.index.stats()
     ix.count_hits(3, 1)
     ix.count_hits(2, 0)
-    ix.poll()                               # not waited long enough: nothing queued
-    assert ix._ops.qsize() == 0
-    monkeypatch.setattr(si, "_LAZY_S", 0.0)
-    ix.poll()                               # waited long enough: a step's poll sends them
+    assert ix._ops.qsize() == 0             # nothing queued yet
+    ix.poll()                               # a step's poll sends them
     ix.flush()
     st.index.flush()
     mid = st.index.stats()
     assert (mid["hits"] - before["hits"], mid["misses"] - before["misses"]) == (5, 1)
-    monkeypatch.setattr(si, "_LAZY_S", 60.0)
     ix.count_hits(0, 4)
-    slots, gens = ix.take([k(0), k(1), k(2)])   # the pool is now below half: a refill
-    assert ix._ops.qsize() == 1             # ... with the counts, as one queue item
-    ix.commit([(k(0), slots[0], gens[0])])
+    ix.take([k(0)])                         # a take sends them with its refill
     ix.count_hits(7, 0)
     ix.close()                              # and close sends what is left
     after = st.index.stats()
     assert (after["hits"] - mid["hits"], after["misses"] - mid["misses"]) == (7, 4)
-    st.close()
-
-
-def test_a_take_wakes_the_index_thread_only_for_a_pool_below_half(tmp_path, monkeypatch):
-    """A store's commit wakes the index thread (and every round refills the pool): a take
-    queues a refill only when the pool is below half of its target, or dry."""
-    import kvstore.serving_index as si
-    monkeypatch.setattr(si, "_LAZY_S", 60.0)
-    st = make(tmp_path, 64)
-    ix = ServingIndex(st, pool_target=8)
-    ix.wait_ready(10)
-    ix.flush()
-    assert len(ix.pooled()) == 8
-    slots, gens = ix.take([k(0), k(1), k(2), k(3)])     # 4 of 8 left: no wake-up
-    assert ix._ops.qsize() == 0 and len(slots) == 4
-    ix.commit(list(zip([k(0), k(1), k(2), k(3)], slots, gens)))     # a wake-up: refilled
-    ix.flush()
-    assert len(ix.pooled()) == 8
-    assert all(ix.contains(k(i)) for i in range(4))
-    slots, gens = ix.take([k(i) for i in range(4, 9)])  # 3 of 8 left: a refill
-    assert ix._ops.qsize() == 1
-    ix.flush()
-    assert len(ix.pooled()) == 8
-    ix.abort(list(zip([k(i) for i in range(4, 9)], slots, gens)))
-    ix.close()
-    st.close()
-
-
-def test_touches_wait_for_a_wake_up_and_keep_their_order(tmp_path, monkeypatch):
-    """A finished load's touch is not worth a wake-up of the index thread: it waits for
-    the next queued operation (or _LAZY_S at a poll) and is applied before it, so an
-    eviction that follows a touch sees it."""
-    import kvstore.serving_index as si
-    monkeypatch.setattr(si, "_LAZY_S", 60.0)
-    st = make(tmp_path, 16)
-    ix = ServingIndex(st, pool_target=4)
-    ix.wait_ready(10)
-    a = store_keys(ix, [k(i) for i in range(6)])
-    b = store_keys(ix, [k(i) for i in range(6, 12)])
-    ix.touch_blocks([([r.key[:-4] for r in a], [(0, len(a))])])
-    ix.poll()
-    assert ix._ops.qsize() == 0              # waiting
-    store_keys(ix, [k(i) for i in range(12, 16)])   # its commit carries the touch first
-    ix.flush()
-    assert all(ix.contains(r.key) for r in a)
-    assert not all(ix.contains(r.key) for r in b)
-    ix.touch([b[0].key])
-    monkeypatch.setattr(si, "_LAZY_S", 0.0)
-    ix.poll()                                # waited long enough: sent on its own
-    assert ix._ops.qsize() == 1
-    ix.close()
     st.close()
 
 
