@@ -99,6 +99,9 @@ def test_json_output_parses_as_one_object(path, stores, tmp_path):
         # store phase lasts at least that long
         st = doc["phases"]["store"]
         assert doc["forward_ms"] == 10.0 and st["phase_s"] >= st["steps"] * 0.010, st
+        # the load phase's length too (a crawling load phase showed only as a timeout)
+        ld = doc["phases"]["load"]
+        assert ld["phase_s"] > 0 and ld["steps_per_s"] > 0, ld
 
 
 def test_bench_index_refuses_sizes_its_commit_rounds_cannot_fill():
