@@ -447,6 +447,7 @@ class EngineHarness:
         self._req_counter = itertools.count()
         self._hid = next(_HARNESS_IDS)
         self._pending: tuple[Any, Any] | None = None  # async scheduling lag
+        self.last_step_executed = False   # the last step scheduled tokens (ran the model)
         self._closed = False
         self._collect_events()  # hook the publisher before the first step
 
@@ -974,6 +975,7 @@ class EngineHarness:
 
         so = self.scheduler.schedule()
         self.stats["steps"] += 1
+        self.last_step_executed = so.total_num_scheduled_tokens > 0
         first = self._update_block_tables(so)
 
         # Prepare this step's writes (same for every rank, content differs), per
@@ -1181,6 +1183,13 @@ class EngineHarness:
                 break
             self.step()
             steps += 1
+            # As vLLM's EngineCore after a step that ran no model while requests remain
+            # (waiting for their KV loads, delayed frees): a 1 ms sleep that yields the
+            # GIL to the transfer threads (`_process_engine_step`, vLLM 0.32 and 0.33).
+            # Without it the harness spins on empty steps, and kvstore's nice-19 I/O
+            # threads crawl through the loads (docs/benchmarks.md, stop 35 and 36).
+            if not self.last_step_executed and self.scheduler.has_requests():
+                _time.sleep(0.001)
         raise HarnessError(
             f"engine still busy after {steps} steps / {timeout_s:.0f}s: "
             f"{len(self.scheduler.requests)} requests, "
