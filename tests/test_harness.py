@@ -332,3 +332,42 @@ def test_a_load_into_a_block_that_held_the_same_content_counts_as_loaded():
         # the case itself: some pass got a loaded block where the pass before had it
         assert any(a[i] == b[i] for a, b in zip(tables, tables[1:]) for i in (0, 1)), tables
         h.assert_no_leaks()
+
+
+def test_drain_yields_the_gil_after_an_empty_step_as_vllms_engine_core_does(monkeypatch):
+    """vLLM's EngineCore sleeps 1 ms after a step that ran no model while requests remain
+    (waiting for their KV loads), so a connector's transfer threads get the GIL; the
+    harness's drain does the same, or it would spin on empty steps and starve them (the
+    bench's load phase took 71 s instead of 5, docs/benchmarks.md stop 36)."""
+    import inspect
+    import threading
+    import time
+
+    from vllm.v1.engine.core import EngineCoreProc
+
+    src = inspect.getsource(EngineCoreProc._process_engine_step)
+    assert "not model_executed and self.scheduler.has_requests()" in src
+    assert "time.sleep(0.001)" in src
+
+    main = threading.get_ident()
+    slept = []
+    real_sleep = time.sleep
+
+    def spy(s):
+        if threading.get_ident() == main and s == 0.001:
+            slept.append(h.last_step_executed)
+        real_sleep(s)
+
+    monkeypatch.setattr(time, "sleep", spy)
+    _TOY_STORE.clear()
+    _TOY_FAIL.clear()
+    prompts = _prompts(8, 3, 70)
+    with EngineHarness(num_gpu_blocks=32, kv_transfer_config=_TOY) as h:
+        h.run(prompts, max_tokens=2)
+        assert slept.count(True) == 0        # steps that ran the model: no pause
+    slept.clear()
+    with EngineHarness(num_gpu_blocks=32, kv_transfer_config=_TOY) as h:
+        st = h.run(prompts, max_tokens=2)    # async loads: empty steps while they run
+        assert st["finished_recving"] == 3
+        assert st["blocks_mismatched"] == 0, h.mismatches
+    assert slept and not any(slept)          # paused, and only after empty steps
