@@ -419,6 +419,31 @@ def test_thread_cpus_pins_kvstores_threads_and_only_them(tmp_path):
     assert os.getpriority(os.PRIO_PROCESS, me) == base
 
 
+def test_kvstore_threads_name_themselves_to_the_kernel_without_opening_a_file(monkeypatch):
+    """A thread kvstore starts names itself ("kvstore-io-rank0" -> "kvs-io-rank0", 15 bytes
+    at most) with prctl, so `ps -L` shows it, and opens no file doing so: CI once caught a
+    thread's /proc/.../comm open in the fd-leak check of a harness that was closing."""
+    import threading
+    from kvstore.threads import make_thread
+    opened = []
+    real_open = open
+
+    def spy(path, *a, **k):
+        opened.append(str(path))
+        return real_open(path, *a, **k)
+    monkeypatch.setattr("builtins.open", spy)
+    seen = {}
+
+    def body():
+        with real_open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+            seen["comm"] = f.read().strip()
+    t = make_thread(body, "kvstore-io-rank0-long-name")
+    t.start()
+    t.join()
+    assert seen["comm"] == "kvs-io-rank0-lo", seen
+    assert not [p for p in opened if "/comm" in p], opened
+
+
 def test_io_thread_nice_default_follows_where_the_forward_runs():
     """19 unless vLLM's forward runs on the host's CPUs (its CPU build) on CPUs kvstore
     shares with it; an explicit value always wins. This venv has vLLM's GPU build (the
