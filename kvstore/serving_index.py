@@ -374,22 +374,20 @@ class ServingIndex:
         return bytes(out)
 
     def plan_new(self, hashes: list, start: int, stop: int, block_ids: list, skip: set,
-                 limit: int, group: int = 0, packed: bool = False, new_from: int = -1
+                 limit: int, group: int = 0, packed: bool = False
                  ) -> tuple[list[bytes], list[int], Sequence[int]]:
         """(keys, block ids, block indices) of blocks start..stop not stored yet and not
         in `skip` (keys being stored), at most `limit`; their keys join `skip`. With
         `packed` (skip a `KeySet`): the planned blocks' vLLM hashes instead of keys (their
         keys are hash + group, made where they are needed: `make_keys`), and the indices
-        as an array('I') (no int object per block). With `new_from` (>= 0), blocks from
-        that index on are not looked for in the table (`KeyTable.plan_new`): the caller's
-        lookup missed there."""
+        as an array('I') (no int object per block)."""
         if not self._ready:
             keys, bids, idx = self._plan_new_lmdb(hashes, start, stop, block_ids, skip,
                                                   limit, group)
             return _packed_plan(hashes, keys, bids, idx, packed)
         with self._lock:
             return self._table.plan_new(hashes, start, stop, block_ids, skip, limit, group,
-                                        packed, new_from)
+                                        packed)
 
     def count_dropped(self, hashes: list, start: int, stop: int, skip, group: int = 0) -> None:
         """Count what a dry (or short) pool drops of an eager walk, blocks start..stop, as
@@ -1105,9 +1103,7 @@ class SyncServingIndex(ServingIndex):
     def present(self, hashes, start, stop, group=0):
         return self._present_lmdb(hashes, start, stop, group)
 
-    def plan_new(self, hashes, start, stop, block_ids, skip, limit, group=0, packed=False,
-                 new_from=-1):
-        # the synchronous design as it was: every block looked up in LMDB
+    def plan_new(self, hashes, start, stop, block_ids, skip, limit, group=0, packed=False):
         keys, bids, idx = self._plan_new_lmdb(hashes, start, stop, block_ids, skip, limit, group)
         return _packed_plan(hashes, keys, bids, idx, packed)
 

@@ -168,39 +168,6 @@ def test_lru_eviction_follows_hits(tmp_path):
         assert all(s.lookup(k) is not None for k in keys_of(h, c))
 
 
-def test_an_orphan_after_a_lookups_miss_is_stored_again_once(tmp_path):
-    """An eager store walk does not look in the index past the block where the request's
-    lookup missed (issue 14: a cold probe each at 10M entries). Blocks stored there anyway
-    (orphans of a dropped block) are written again and kept once: the entry that stood
-    stays, the new slot goes back to free, and the whole prefix serves afterwards."""
-    store = tmp_path / "store"
-    p = prompts(46, 1, 8 * BS + 12)[0]       # 8 full blocks
-    with kv_harness(store) as h:
-        h.run([p], max_tokens=1)
-        settle(h)
-        s = sched(h)
-        keys = keys_of(h, p)
-        before = {k: (s.store.lookup(k).slot, s.store.lookup(k).generation) for k in keys}
-        s.index.drop([keys[3]])               # block 3 gone: 4..7 are orphans
-        settle(h)
-        drop_gpu_cache(h)
-        st = h.run([p], max_tokens=1)
-        loads_ok(st)
-        assert st["blocks_loaded"] == 3       # the lookup stops at block 3
-        settle(h)
-        ix = s.store.stats()
-        assert ix["used_slots"] == 8, ix      # the orphans' new slots were freed
-        assert ix["duplicates"] == 4, ix
-        after = {k: s.store.lookup(k) for k in keys}
-        assert all(after[k] is not None for k in keys)
-        assert all((after[k].slot, after[k].generation) == before[k]
-                   for k in keys[:3] + keys[4:])        # the entries that stood are kept
-        drop_gpu_cache(h)
-        before_l = h.stats["blocks_loaded"]
-        loads_ok(h.run([p], max_tokens=1))
-        assert h.stats["blocks_loaded"] - before_l == 8
-
-
 def test_full_store_drops_stores_and_keeps_serving(tmp_path):
     """Every slot pinned by in-flight loads or reserved by in-flight stores: the pool
     runs dry, stores are dropped, requests keep being served, and stores resume once the

@@ -327,32 +327,6 @@ def test_count_new_counts_what_plan_new_would_plan_and_claims_nothing():
             t.count_new(hashes, 0, 10, bad, 2)
 
 
-def test_plan_new_from_a_lookups_miss_probes_only_the_keys_being_stored():
-    """`new_from`: blocks from that index on (where the request's lookup missed) are planned
-    without probing the table, so an orphan still stored there is planned again (the
-    commit keeps the entry once); blocks before it are probed as ever, and the keys being
-    stored are never planned twice. Mid-batch and batch-aligned cuts, with limits."""
-    hashes = [os.urandom(32) for _ in range(300)]
-    t = KeyTable(1000)
-    for i in range(0, 300, 3):                  # every third block is stored
-        t.put(hashes[i] + (1).to_bytes(4, "big"), i, 1)
-    being = set(range(2, 300, 7))               # some are being stored
-    for start, stop, new_from, limit in ((0, 300, 100, 10 ** 6), (5, 290, 37, 10 ** 6),
-                                         (0, 300, 0, 10 ** 6), (0, 300, 64, 150),
-                                         (10, 200, 400, 10 ** 6), (0, 300, -1, 10 ** 6)):
-        storing = KeySet()
-        for k in make_keys([hashes[i] for i in sorted(being)], [(1, len(being))]):
-            storing.add(k)
-        _, bids, idx = t.plan_new(hashes, start, stop, list(range(1000, 1300)), storing,
-                                  limit, 1, True, new_from)
-        nf = new_from if new_from >= 0 else stop
-        want = [i for i in range(start, stop)
-                if i not in being and (i >= nf or i % 3)][:limit]
-        assert list(idx) == want, (start, stop, new_from)
-        assert bids == [1000 + i for i in want]
-        assert len(storing) == len(being) + len(want)       # planned keys claimed
-
-
 def test_a_short_pool_plans_only_what_it_can_take(tmp_path):
     """The walk stops where the pool's slots end: the plan is never cut (no key made for
     blocks then dropped), the rest is counted as dropped; a dry pool plans nothing, asks

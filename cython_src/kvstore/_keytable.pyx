@@ -1012,20 +1012,17 @@ cdef class KeyTable:
 
     cdef int _hash_batch(self, list hashes, Py_ssize_t b, Py_ssize_t e, uint32_t group,
                          unsigned char (*buf)[KEY_MAX], Py_ssize_t *lens, uint64_t *fps,
-                         uint32_t *fp2s, bint fetch=True, KeySet skip=None,
-                         bint table=True) except -1:
+                         uint32_t *fp2s, bint fetch=True, KeySet skip=None) except -1:
         """Make keys b..e of `hashes` into buf, their fingerprints into fps/fp2s; with
         `fetch`, fetch their buckets (and their buckets in `skip`, the keys being stored,
-        probed next by a store walk: a set of thousands of keys, as cold as the table;
-        without `table`, only those in `skip`)."""
+        probed next by a store walk: a set of thousands of keys, as cold as the table)."""
         cdef Py_ssize_t j
         for j in range(b, e):
             lens[j - b] = _make_key(hashes[j], group, buf[j - b])
             _fingerprint_raw(buf[j - b], lens[j - b], &fps[j - b], &fp2s[j - b])
         if fetch and skip is not None:   # a store walk: mostly misses
-            if table:
-                for j in range(e - b):
-                    self._prefetch_run(fps[j])
+            for j in range(e - b):
+                self._prefetch_run(fps[j])
             skip._prefetch_all(fps, e - b)
         elif fetch:
             self._prefetch_all(fps, e - b)
@@ -1060,8 +1057,7 @@ cdef class KeyTable:
         return bytes(out)
 
     def plan_new(self, list hashes, Py_ssize_t start, Py_ssize_t stop, list block_ids,
-                 object skip, Py_ssize_t limit, uint32_t group=0, bint packed=False,
-                 Py_ssize_t new_from=-1):
+                 object skip, Py_ssize_t limit, uint32_t group=0, bint packed=False):
         """Blocks start..stop of `hashes` to store: (keys, block ids, block indices) of
         those whose key is neither in the table (already stored) nor in `skip` (being
         stored: a `KeySet`, probed by the fingerprint the walk already has, or a set);
@@ -1074,15 +1070,7 @@ cdef class KeyTable:
         an array('I'): no Python object is made per block (512 new ints cost ~70 us in a
         scratch with the allocator's memory cold, 9 us warm; `tools/plan_ab.py`, whose
         walks run warm, shows no difference); their keys are
-        `make_keys(those, [(group, len)])`.
-
-        `new_from` (>= 0): blocks from that index on are taken as not in the table without
-        probing it (the request's lookup missed there, and a block after a miss is stored
-        only as an orphan of an evicted or dropped prefix); only `skip` is probed for them.
-        At 10M entries a probe is a cold memory access (a 512-block walk: 0.1-0.4 ms on
-        vLLM's step thread, 1-5 ms for a phase's first); an orphan planned again is a
-        duplicate that the commit keeps once (`Index.commit`: the entry stays, the new slot
-        goes back to free)."""
+        `make_keys(those, [(group, len)])`."""
         cdef list keys = [], bids = [], idx = []
         cdef array.array idxa = array.clone(_U32, 0, False) if packed else None
         cdef uint32_t ib[BATCH]
@@ -1126,13 +1114,12 @@ cdef class KeyTable:
                     held[j] = bid
                 for j in range(e, min(stop, e + BATCH)):
                     KT_PREFETCH(<const void *>PyList_GET_ITEM(block_ids, j))
-                self._hash_batch(hashes, b, e, group, buf, lens, fps, fp2s, True, fast,
-                                 new_from < 0 or b < new_from)
+                self._hash_batch(hashes, b, e, group, buf, lens, fps, fp2s, True, fast)
                 ni = 0
                 for j in range(e - b):
                     if len(keys) >= limit:
                         break
-                    if (new_from < 0 or b + j < new_from) and self._find(fps[j], fp2s[j]) >= 0:
+                    if self._find(fps[j], fp2s[j]) >= 0:
                         continue
                     if fast is not None:
                         if fast._has(fps[j], fp2s[j]):

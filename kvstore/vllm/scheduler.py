@@ -120,9 +120,6 @@ class KVStoreScheduler:
         # with the ones its walk made), a set's API for the other planners
         self._storing_keys = KeySet()
         self._stored_upto: dict[str, int] = {}
-        # req -> the block its lookup missed at: eager store walks take the blocks from
-        # there on as not stored without probing the table (`KeyTable.plan_new`'s new_from)
-        self._new_from: dict[str, int] = {}
         self._to_touch: list[tuple[list, list]] = []     # (hashes, group runs) of loads
         self._events: list = []
         self._stats = KVStoreStats()
@@ -173,7 +170,6 @@ class KVStoreScheduler:
                 # index walk.
                 return (cand[1] - cand[0]) * self.block_size, True
             self._release_candidate(req_id)
-        self._new_from.pop(req_id, None)
         if getattr(request.sampling_params, "skip_reading_prefix_cache", False) or \
                 req_id in self._inflight_loads or req_id in self._load_failed:
             return 0, False
@@ -195,9 +191,6 @@ class KVStoreScheduler:
             self._warn_once("lookup", exc)
             return 0, False
         n = len(slots)
-        short = start + n < min(end, len(request.block_hashes))
-        if short:       # block start + n was looked for and is not stored
-            self._new_from[req_id] = start + n
         if not n:
             self._stats.add(miss_lookups=1)
             self.index.count_hits(0, 1)
@@ -205,7 +198,7 @@ class KVStoreScheduler:
         self._candidates[req_id] = (start, start + n, slots, gens)
         self._stats.add(hit_blocks=n)
         # As DiskStore.get counts: hits in blocks, a miss per lookup that stopped short.
-        self.index.count_hits(n, 1 if short else 0)
+        self.index.count_hits(n, 0 if n == min(end, len(request.block_hashes)) - start else 1)
         return n * bs, True
 
     def _queue_load(self, job: LoadJob, pinned: list[int]) -> None:
@@ -467,11 +460,10 @@ class KVStoreScheduler:
             if not isinstance(blocks, list):
                 blocks = list(blocks)
             self._stored_upto[req_id] = self._plan_range(plan, req_id, req, first, nfull,
-                                                         blocks, room, 0,
-                                                         self._new_from.get(req_id, -1))
+                                                         blocks, room, 0)
 
     def _plan_range(self, plan: "_Plan", req_id: str, req, first: int, stop: int, blocks: list,
-                    room: int, g: int, new_from: int = -1) -> int:
+                    room: int, g: int) -> int:
         """One walk of `plan_new` over blocks first..stop of req (group g), `room` at most:
         packed into `plan` (vLLM's hashes and a group run: no key made), or as keys when
         second-sight admission filters them. Returns the request's store cursor: a walk
@@ -494,7 +486,7 @@ class KVStoreScheduler:
             self._count_dropped(req, first, stop, g)
             return stop
         k, b, idx = self.index.plan_new(req.block_hashes, first, stop, blocks,
-                                        self._storing_keys, walk, g, packed, new_from)
+                                        self._storing_keys, walk, g, packed)
         if len(idx) < walk:
             cursor = stop
         elif pool_room < room:      # the pool ran short: the rest is dropped, not resumed
@@ -807,7 +799,6 @@ class KVStoreScheduler:
         self._requests.pop(req_id, None)
         self._stored_upto.pop(req_id, None)
         self._stored_upto_g.pop(req_id, None)
-        self._new_from.pop(req_id, None)
         self._load_failed.discard(req_id)
         # Stores copy their blocks out within the step that planned them, and loads keep
         # their blocks through vLLM's own WAITING_FOR_REMOTE_KVS hold, so blocks are
