@@ -168,6 +168,36 @@ def test_lru_eviction_follows_hits(tmp_path):
         assert all(s.lookup(k) is not None for k in keys_of(h, c))
 
 
+def test_staggered_prefills_of_one_prompt_store_each_block_once(tmp_path):
+    """Four requests with the same 40-block prompt, each a step after the last, prefilled
+    in 64-token chunks: vLLM hands a later one the blocks an earlier one computed, and the
+    later one then runs ahead of it. Each block is written once: no duplicate commit, one
+    BlockStored per hash, every slot used holds a distinct block. (Stop 37 tried skipping
+    the table probe past a request's lookup miss: 12 of these 40 blocks were stored twice.)"""
+    import collections
+    import time
+    p = prompts(77, 1, 40 * BS + 5)[0]
+    with kv_harness(tmp_path / "store", num_gpu_blocks=512, max_num_batched_tokens=256,
+                    kv_events=True) as h:
+        s = sched(h)
+        h.scheduler.scheduler_config.long_prefill_token_threshold = 64
+        for i in range(30):
+            if i < 4:
+                h.add_request(p, max_tokens=1)
+            h.step()
+            time.sleep(0.05)        # the index thread commits between steps
+        settle(h)
+        st = s.store.stats()
+        stored = collections.Counter(
+            x for e in h.events if type(e).__name__ == "BlockStored" and e.medium == "STORAGE"
+            for x in e.block_hashes)
+        assert st["duplicates"] == 0, st
+        assert st["used_slots"] == 40 and len(stored) == 40, (st, len(stored))
+        assert set(stored.values()) == {1}, stored
+        assert conn_stats(h)["stored_blocks"] == 40
+        assert all(s.store.lookup(k) is not None for k in keys_of(h, p))
+
+
 def test_full_store_drops_stores_and_keeps_serving(tmp_path):
     """Every slot pinned by in-flight loads or reserved by in-flight stores: the pool
     runs dry, stores are dropped, requests keep being served, and stores resume once the
