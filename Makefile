@@ -28,24 +28,27 @@ $(SYSDEPS):
 	@command -v fio >/dev/null 2>&1 || { (apt-get update -q && apt-get install -y -q fio) >/dev/null 2>&1 || \
 	  echo "warning: could not install fio; benchmarks will skip it"; }
 
-# The two venvs take ~13 GiB (CUDA torch in .venv, CPU torch in .venv-engine) and the
-# suite's stores a few more: say so up front rather than fail mid-install with ENOSPC.
-NEED_GIB ?= 16
+# The two venvs take ~11 GiB (.venv ~7.5: vLLM 0.33 with CUDA torch, less vLLM's GPU kernel
+# packages where there is no GPU, tools/vllm_env.py; .venv-engine ~3.5: vLLM's CPU build) and
+# the suite's stores about 1 more: say so up front rather than fail mid-install with ENOSPC.
+NEED_GIB ?= 12
 define check_disk
 	@avail=$$(df --output=avail -BG . | tail -1 | tr -dc 0-9); if [ "$$avail" -lt $(1) ]; then \
 	  echo "error: $$avail GiB free on the file system of $$(pwd); installing needs about $(1) GiB" \
-	       "(each venv takes ~6.5 GiB, the tests' stores a few more): free some space (e.g. old" \
+	       "(.venv ~7.5 GiB, .venv-engine ~3.5 GiB, the tests' stores ~1 GiB): free some space (e.g. old" \
 	       "clones and stores under /tmp), then rerun"; exit 1; fi
 endef
 
-$(STAMP): pyproject.toml setup.py | $(SYSDEPS)
+$(STAMP): pyproject.toml setup.py tools/vllm_env.py tools/engine_env.py | $(SYSDEPS)
 	$(if $(wildcard $(PY)),,$(call check_disk,$(NEED_GIB)))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	# Build requirements first, so the extension build below can skip isolation (the
 	# liburing sdist compiles its bundled C library once, not twice).
 	$(PIP) install -q "liburing==2024.5.3" "Cython>=3.0,<3.1" "numpy>=1.26"
-	$(PIP) install -q --no-build-isolation -e ".[test,vllm,bench]"
+	# vLLM 0.33.0 (CUDA build); on a machine without a GPU, without its GPU kernel packages.
+	$(PYTHON) tools/vllm_env.py $(VENV)
+	$(PIP) install -q --no-build-isolation -e ".[test,bench]"
 	touch $(STAMP)
 
 build: $(STAMP) | $(SYSDEPS)

