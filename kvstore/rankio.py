@@ -1237,13 +1237,16 @@ class RankIO:
 
     def _caller_chunks(self, refs, payloads, writable):
         addrs, keep = self._payload_addrs(payloads, len(refs), writable)
+        yield from self._addr_chunks(refs, addrs)
+        del keep  # the caller's buffers stay referenced until every chunk has moved
+
+    def _addr_chunks(self, refs, addrs):
         hdrs = self._header_pool()
         step = max(1, min(self.HEADER_BATCH, hdrs.nbytes // HEADER_SIZE))
         hbase = np.uint64(hdrs.address) + np.arange(min(len(refs), step), dtype=np.uint64) * np.uint64(HEADER_SIZE)
         for start in range(0, len(refs), step):
             stop = min(len(refs), start + step)
             yield start, stop, hbase[:stop - start], addrs[start:stop]
-        del keep  # the caller's buffers stay referenced until every chunk has moved
 
     HEADER_BATCH = 1024   # slots per ring batch for caller-memory transfers (4 MiB of headers)
 
@@ -1276,6 +1279,51 @@ class RankIO:
         check_payload = verify == "checksum"
         errors: list[Exception | None] = [None] * len(refs)
         for start, stop, hdrs, pays in self._caller_chunks(refs, payloads, writable=True):
+            chunk = refs[start:stop]
+            res, status, fds, offs = self._slot_io(OP_READ, chunk, hdrs, pays, _VERIFY_CODE[verify])
+
+            def parts(i, pays=pays):
+                return (self._headers.numpy()[i * HEADER_SIZE:(i + 1) * HEADER_SIZE],
+                        _view_at(int(pays[i]), self.payload_len))
+            errors[start:stop] = self._read_errors(chunk, res, status, fds, offs, parts, check_payload)
+        return errors
+
+    def _check_addrs(self, addrs, n: int) -> np.ndarray:
+        addrs = np.ascontiguousarray(addrs, dtype=np.uint64)
+        if addrs.ndim != 1 or len(addrs) != n:
+            raise ValueError(f"{addrs.size} payload addresses for {n} blocks")
+        if self._direct and n and (addrs % np.uint64(HEADER_SIZE)).any():
+            bad = int(addrs[np.flatnonzero(addrs % np.uint64(HEADER_SIZE))[0]])
+            raise AlignmentError(
+                f"payload address 0x{bad:x} is not 4096-aligned, which O_DIRECT needs: move "
+                "the payloads through staging, or open the store with io_mode='page_cache'")
+        return addrs
+
+    def write_at(self, refs: Sequence[SlotRef], addrs, *, durable: bool = True) -> list[Exception | None]:
+        """`write_from` of payloads given by address: addrs[i] (uint64) is where refs[i]'s
+        payload starts, in memory the caller keeps alive and unchanged until this returns,
+        each holding the payload rounded up to 4096 bytes (4096-aligned for O_DIRECT). For
+        payloads that are not the rows of one strided array (a secondary tier's primary
+        chunks, in the order a job names them): no Python object per block."""
+        self._check_open()
+        addrs = self._check_addrs(addrs, len(refs))
+        errors: list[Exception | None] = [None] * len(refs)
+        for start, stop, hdrs, pays in self._addr_chunks(refs, addrs):
+            chunk = refs[start:stop]
+            res, _, fds, offs = self._slot_io(OP_WRITE, chunk, hdrs, pays, 0)
+            errors[start:stop] = self._write_errors(chunk, res, fds, offs, durable)
+        return errors
+
+    def read_at(self, refs: Sequence[SlotRef], addrs, *, verify: str = "checksum") -> list[Exception | None]:
+        """`read_into` of payloads given by address (as `write_at`; the memory must be
+        writable). None per verified block, else its OSError or CorruptSlot: the bytes at
+        a failed block's address are undefined and must not be used."""
+        self._check_open()
+        _check_choice("verify", verify, VERIFY_MODES)
+        addrs = self._check_addrs(addrs, len(refs))
+        check_payload = verify == "checksum"
+        errors: list[Exception | None] = [None] * len(refs)
+        for start, stop, hdrs, pays in self._addr_chunks(refs, addrs):
             chunk = refs[start:stop]
             res, status, fds, offs = self._slot_io(OP_READ, chunk, hdrs, pays, _VERIFY_CODE[verify])
 

@@ -1,0 +1,785 @@
+"""KVStoreTier: a kvstore store as a secondary tier of vLLM's OffloadingConnector.
+
+vLLM 0.33's `OffloadingConnector` with `TieringOffloadingSpec` keeps a CPU primary tier
+(vLLM's own GPU <-> host copies) and cascades every chunk it stores to its secondary tiers;
+a chunk missing from the primary is promoted back from a secondary tier. This module is
+such a tier, loaded by vLLM without any patch:
+
+    "secondary_tiers": [{"type": "KVStoreTier", "module_path": "kvstore.vllm.tier",
+                         "path": "/mnt/nvme/kvstore-tier", "capacity": "500G"}]
+
+It needs no GPU code: vLLM moves GPU <-> primary, the tier moves bytes between the
+primary's host memory (`primary_kv_view`, one chunk per `strides[0]` bytes) and a kvstore
+store, with the store's guarantees: bounded capacity with LRU eviction, data durable before
+the index commits it, verified loads (a bad chunk is left out and answers MISS from then
+on), persistence across restarts, a layout fingerprint.
+
+Threads. vLLM calls every tier method on its scheduler thread (or its tier-poll thread)
+under the manager's lock. Here `lookup` is one probe of the in-memory table
+(`ServingIndex.contains`), `touch` queues an LRU update, and `submit_store` /
+`submit_load` only queue the job. Three kvstore threads do the rest:
+
+- the **load thread** (`kvstore-tier-load`) takes every queued load job, pins the hits
+  in the table, reads and verifies them with one ring batch (its own `RankIO`) straight
+  into the primary chunks, unpins, drops the entries that failed and posts the results;
+- the **store thread** (`kvstore-tier-store`) takes every queued store job as one batch
+  (group commit): it skips chunks the store has or is storing, takes reserved slots from
+  the pool, writes header + payload straight from the primary chunks with one ring batch
+  and one fdatasync per slot file (its own `RankIO`), hands the commit to the index
+  thread and, once that commit is applied (an LMDB transaction and its fsync), posts the
+  jobs' results: a finished store is a hit;
+- the **index thread** (`ServingIndex`) is the only LMDB writer: commits, LRU touches,
+  drops, and the pool refill that evicts the least recently used entries.
+
+Data path. When the primary memory and chunk stride are 4096-aligned (vLLM's
+`SharedOffloadRegion` is an mmap and pads each chunk to a page, so they are), payloads move
+by io_uring between the primary chunks and the slot files with O_DIRECT and no copy; the
+primary region is registered with each ring (fixed buffers) when the kernel allows it.
+Otherwise (a stride that is not a multiple of 4096 would make a 4096-rounded transfer run
+into the next chunk; an unaligned base cannot be read with O_DIRECT) the chunks go through
+kvstore's staging memory, copied by numpy on the I/O threads. `KVStoreTier.data_path`
+says which ("direct" or "staging") and `data_path_reason` why.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any, ClassVar
+
+import numpy as np
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvstore.engine import DiskStore, ensure_store
+from kvstore.errors import ConfigError, CorruptSlot, KVStoreError, LayoutMismatch
+from kvstore.layout import HEADER_SIZE, Layout, format_size, read_fingerprint
+from kvstore.rankio import RankIO, SlotRefs
+from kvstore.serving_index import ServingIndex
+from kvstore.threads import make_thread
+from kvstore.vllm.config import ConnectorConfig
+
+log = logging.getLogger("kvstore.tier")
+
+# The connector's keys that mean the same for the tier (docs/CONFIG.md), and the tier's own.
+STORE_KEYS = ("path", "capacity", "io_mode", "queue_depth", "verify", "durability", "staging",
+              "create", "slot_pool", "data_dirs", "device_eio_limit", "device_eio_window_s",
+              "thread_cpus", "io_thread_nice")
+TIER_KEYS = ("enable_kv_events", "locality")
+
+# A store job whose chunks find the slot pool dry waits this long for the index thread to
+# refill it (evicting LRU entries) before the rest of the job is dropped.
+POOL_WAIT_S = 2.0
+# Staging memory of each I/O thread when the chunks must go through it (the direct path
+# needs only one slot's worth).
+DEFAULT_STAGING = 64 << 20
+
+METRIC_PREFIX = "vllm:kv_offload_kvstore_"
+
+
+class TierMetrics:
+    """Names of the metrics the tier exports (`build_metric_definitions`)."""
+
+    CAPACITY_BYTES = METRIC_PREFIX + "capacity_bytes"
+    USED_BYTES = METRIC_PREFIX + "used_bytes"
+    HITS = METRIC_PREFIX + "hits"
+    LOADED_CHUNKS = METRIC_PREFIX + "loaded_chunks"
+    READ_BYTES = METRIC_PREFIX + "read_bytes"
+    WRITTEN_BYTES = METRIC_PREFIX + "written_bytes"
+    VERIFY_FAILURES = METRIC_PREFIX + "verify_failures"
+    EVICTED_CHUNKS = METRIC_PREFIX + "evicted_chunks"
+    STORE_DROPPED_CHUNKS = METRIC_PREFIX + "store_dropped_chunks"
+
+
+def parse_tier_options(options: dict) -> tuple[ConnectorConfig, bool, str | None]:
+    """(store settings, enable_kv_events, locality) of a `secondary_tiers` entry (without
+    "type" and "module_path", which vLLM's factory takes). Unknown keys are refused,
+    naming them; the store settings are checked by the connector's own parser."""
+    unknown = sorted(set(options) - set(STORE_KEYS) - set(TIER_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"kvstore tier: unknown secondary_tiers key(s) {unknown}; valid keys: "
+            f"{sorted(STORE_KEYS + TIER_KEYS)} besides \"type\", \"module_path\" and "
+            "\"backpressure\" (see docs/CONFIG.md, \"As a secondary tier\")")
+    cfg = ConnectorConfig.from_extra_config({k: options[k] for k in STORE_KEYS if k in options})
+    events = options.get("enable_kv_events", False)
+    if not isinstance(events, bool):
+        raise ConfigError(f"kvstore tier: enable_kv_events={events!r} must be true or false")
+    locality = options.get("locality")
+    if locality is not None:
+        try:
+            Locality(locality)
+        except ValueError:
+            raise ConfigError(f"kvstore tier: locality={locality!r} is not valid; choose one of "
+                              f"{', '.join(x.value for x in Locality)}") from None
+    return cfg, events, locality
+
+
+def tier_layout(offloading_spec, chunk_bytes: int) -> Layout:
+    """The store layout of this engine's primary chunks: what makes a chunk's bytes valid.
+
+    The tier stores whole primary chunks (every worker's part, as the primary holds it),
+    so the fingerprint records the model, dtype, tokens per chunk, the chunk's byte size
+    and its geometry in `kv_layout` ("tier-chunk;name=value;..."): blocks per chunk,
+    tokens per hash, bytes per worker block, the groups, the KV cache layout, canonical or
+    direct layout, and the parallel layout unless the bytes are parallelism-agnostic. The
+    tier does not see vLLM's hash algorithm: `hash_algo` is "vllm-offload-key" (vLLM's
+    block hash + group, as OffloadingConnector keys chunks)."""
+    c = offloading_spec.config
+    par = c.parallel
+    fields = {
+        "chunk_bytes": chunk_bytes,
+        "blocks_per_chunk": c.cache.blocks_per_chunk,
+        "tokens_per_hash": c.cache.tokens_per_hash,
+        "worker_block_bytes": c.worker_kv_bytes_per_block,
+        "groups": "+".join(f"{g.group_id}:{g.tokens_per_block}x{len(g.layer_names)}"
+                           for g in c.groups) or "-",
+        "kv_cache_layout": c.kv_cache_layout or "-",
+        "canonical": int(bool(c.canonical_layout)),
+        "replicated": int(bool(c.replicated_layout)),
+        "parallel": ("agnostic" if par.is_parallelism_agnostic else
+                     f"tp{par.tp_size}-pp{par.pp_size}-pcp{par.pcp_size}-dcp{par.dcp_size}"
+                     f"-world{par.world_size}"),
+    }
+    layers = sum(len(g.layer_names) for g in c.groups)
+    return Layout(
+        model=str(c.model.name),
+        dtype=str(c.model.dtype),
+        block_size=max(1, c.cache.tokens_per_hash * c.cache.blocks_per_chunk),
+        block_bytes=chunk_bytes,
+        num_layers=max(1, layers),
+        num_kv_heads=0,
+        head_dim=0,
+        tp_size=1,
+        hash_algo="vllm-offload-key",
+        kv_layout="tier-chunk;" + ";".join(f"{k}={v}" for k, v in fields.items()),
+    )
+
+
+def _chunk_fields(kv_layout: str) -> dict[str, str]:
+    if not kv_layout.startswith("tier-chunk;"):
+        return {}
+    return dict(p.split("=", 1) for p in kv_layout.split(";")[1:] if "=" in p)
+
+
+def check_tier_store(path: str, layout: Layout) -> None:
+    """Refuse a store written for other chunks, naming the field (`kv_layout.<name>` for
+    the chunk geometry). A store that does not exist yet passes (it is created)."""
+    if not os.path.lexists(os.path.join(path, "kvstore.json")):
+        return
+    stored, _, _ = read_fingerprint(path)
+    diffs = stored.differences(layout)
+    if not diffs:
+        return
+    name, have, want = diffs[0]
+    if name == "kv_layout":
+        a, b = _chunk_fields(str(have)), _chunk_fields(str(want))
+        for sub in list(b) + [k for k in a if k not in b]:
+            if a.get(sub) != b.get(sub):
+                raise LayoutMismatch(
+                    f"store {path} was written for primary chunks with {sub}={a.get(sub)!r} but "
+                    f"this engine's chunks have {sub}={b.get(sub)!r}; refusing to serve KV of "
+                    "another layout. Give the tier another path (or delete this store) for this "
+                    "model/configuration.", field=f"kv_layout.{sub}")
+    raise LayoutMismatch(
+        f"store {path} was written with {name}={have!r} but this engine's primary chunks have "
+        f"{name}={want!r}; refusing to serve KV of another layout. Give the tier another path "
+        "(or delete this store) for this model/configuration.", field=name)
+
+
+class _Batch:
+    """One store batch (every store job queued when the store thread took them)."""
+
+    __slots__ = ("jobs", "keys", "failed", "start", "nbytes")
+
+    def __init__(self, jobs, keys, failed, start):
+        self.jobs = jobs        # (job, indices of its chunks in `keys`, ok so far, bytes)
+        self.keys = keys
+        self.failed = failed    # indices not committed (no slot, write error)
+        self.start = start
+
+
+_ANNOUNCED = object()     # in the event queue: an "announce" batch was published
+
+
+class KVStoreTier(SecondaryTierManager):
+    """A kvstore store behind vLLM's CPU primary tier. See the module docstring."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector=None, **options: Any):
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        cfg, events, locality = parse_tier_options(options)
+        self.cfg = cfg
+        self.locality = Locality(locality) if locality is not None else None
+        self._events_on = bool(events and offloading_spec.kv_events_config.enable_kv_cache_events)
+        if events and not self._events_on:
+            log.warning("kvstore tier: enable_kv_events is set but KV cache events are disabled "
+                        "globally (kv_events_config); the tier emits none")
+        self.closed = False
+        self._store = self._sidx = None
+        self._rio_load = self._rio_store = None
+        self._threads: list[threading.Thread] = []
+
+        row = int(primary_kv_view.strides[0])
+        if row <= 0:
+            raise ConfigError("kvstore tier: the primary tier has no chunk bytes (its KV cache "
+                              "is empty); nothing to store")
+        flat = primary_kv_view.cast("B") if (primary_kv_view.ndim != 1 or
+                                             primary_kv_view.format != "B") else primary_kv_view
+        self._flat = flat
+        self._prim = np.frombuffer(flat, dtype=np.uint8)
+        self.row = row
+        self.num_chunks = len(self._prim) // row
+        self._base = int(self._prim.__array_interface__["data"][0])
+        self.layout = tier_layout(offloading_spec, row)
+        direct_io = cfg.io_mode == "direct"
+        if row % HEADER_SIZE:
+            self.data_path, self.data_path_reason = "staging", (
+                f"the primary chunk stride ({row} bytes) is not a multiple of 4096, so a slot "
+                "payload (rounded up to 4096) would run into the next chunk")
+        elif direct_io and self._base % HEADER_SIZE:
+            self.data_path, self.data_path_reason = "staging", (
+                f"the primary memory at 0x{self._base:x} is not 4096-aligned, which O_DIRECT "
+                "needs")
+        elif not self._prim.flags.writeable:
+            self.data_path, self.data_path_reason = "staging", (
+                "the primary memory is read-only (loads need to write into it)")
+        else:
+            self.data_path, self.data_path_reason = "direct", (
+                f"primary chunks of {row} bytes at 0x{self._base:x}: 4096-aligned")
+        self.registered = False
+
+        self._lock = threading.Lock()           # counters, fences
+        self._cv = threading.Condition()        # outstanding jobs
+        self._outstanding = 0
+        self._results: deque[JobResult] = deque()
+        self._events: deque = deque()
+        self._load_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._store_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._storing: set[bytes] = set()       # store thread only: keys written, not committed
+        self._batches = 0                       # store thread only: commits in flight
+        self._fenced: set[int] = set()
+        self._warned: set[str] = set()
+        self._counts = {"hits": 0, "loaded": 0, "read": 0, "written": 0, "verify": 0,
+                        "evicted": 0, "dropped": 0}
+        self._last_gauges = None
+
+        check_tier_store(cfg.path, self.layout)
+        try:
+            ensure_store(cfg.path, self.layout, cfg.capacity, io_mode=cfg.io_mode,
+                         create=cfg.create, data_dirs=cfg.data_dirs)
+            self._store = DiskStore(cfg.path, self.layout, sync=cfg.durability != "none")
+            cap = self._store.geometry.num_slots
+            self.slot_size = self._store.geometry.slot_size
+            self.capacity_bytes = cap * self.slot_size
+            pool = cfg.slot_pool or min(256, max(1, cap // 8))
+            self._sidx = ServingIndex(
+                self._store, pool_target=pool,
+                announce=self._announce if self._events_on else None,
+                probe_devices=cfg.io_mode, thread_cpus=cfg.thread_cpus,
+                evicted_keys=self._events_on)
+            staging = cfg.staging_bytes if "staging" in options else DEFAULT_STAGING
+            if self.data_path == "direct":
+                staging = self.slot_size      # (RankIO keeps one slot of staging at least)
+            rio_args = dict(layout=self.layout, io_mode=cfg.io_mode, queue_depth=cfg.queue_depth,
+                            staging_bytes=staging, eio_limit=cfg.device_eio_limit,
+                            eio_window_s=cfg.device_eio_window_s, thread_cpus=cfg.thread_cpus,
+                            thread_nice=cfg.io_thread_nice)
+            self._rio_load = RankIO(cfg.path, 0, **rio_args)
+            self._rio_store = RankIO(cfg.path, 0, **rio_args)
+            if self.data_path == "direct":
+                self.registered = (self._rio_load.register_memory(self._prim)
+                                   and self._rio_store.register_memory(self._prim))
+            self._threads = [
+                make_thread(self._load_loop, "kvstore-tier-load", cfg.thread_cpus,
+                            nice=cfg.io_thread_nice),
+                make_thread(self._store_loop, "kvstore-tier-store", cfg.thread_cpus,
+                            nice=cfg.io_thread_nice),
+            ]
+            for t in self._threads:
+                t.start()
+        except BaseException:
+            self._close_store()
+            raise
+        log.info("kvstore tier at %s: %d slots of %s (%s), %s data path (%s)%s", cfg.path, cap,
+                 format_size(self.slot_size), format_size(self.capacity_bytes), self.data_path,
+                 self.data_path_reason,
+                 "; primary memory registered with the rings" if self.registered else "")
+
+    # ------------------------------------------------------------------ scheduler thread
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self.closed:
+            return LookupResult.MISS
+        if self._sidx.contains(key):
+            self._counts["hits"] += 1
+            return LookupResult.HIT
+        return LookupResult.MISS
+
+    def touch(self, keys, req_context: ReqContext):
+        if keys and not self.closed:
+            self._sidx.touch(list(keys))
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(self._store_q, job_metadata)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(self._load_q, job_metadata)
+
+    def _submit(self, q, job: TransferJob) -> None:
+        with self._cv:
+            self._outstanding += 1
+        if self.closed:
+            self._finish(JobResult(job_id=job.job_id, success=False))
+            return
+        q.put(job)
+
+    def get_finished_jobs(self):
+        out = []
+        res = self._results
+        while res:
+            out.append(res.popleft())
+        return out
+
+    def take_events(self):
+        out = []
+        ev = self._events
+        while ev:
+            e = ev.popleft()
+            if e is _ANNOUNCED:
+                self._sidx.announced()      # room for the next batch of re-announcements
+            else:
+                out.append(e)
+        return out
+
+    def drain_jobs(self) -> None:
+        with self._cv:
+            while self._outstanding:
+                if not self._cv.wait(timeout=5.0) and self._outstanding:
+                    log.warning("kvstore tier: still waiting for %d job(s) to finish",
+                                self._outstanding)
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict) -> dict[str, OffloadingMetricMetadata]:
+        return {
+            TierMetrics.CAPACITY_BYTES: OffloadingGaugeMetadata(
+                documentation="Bytes the kvstore tier holds at most (its slots)."),
+            TierMetrics.USED_BYTES: OffloadingGaugeMetadata(
+                documentation="Bytes of the kvstore tier's slots holding a committed chunk."),
+            TierMetrics.HITS: OffloadingCounterMetadata(
+                documentation="Lookups the kvstore tier answered with a hit."),
+            TierMetrics.LOADED_CHUNKS: OffloadingCounterMetadata(
+                documentation="Chunks the kvstore tier loaded (verified) into the primary tier."),
+            TierMetrics.READ_BYTES: OffloadingCounterMetadata(
+                documentation="Payload bytes the kvstore tier read from its disks."),
+            TierMetrics.WRITTEN_BYTES: OffloadingCounterMetadata(
+                documentation="Payload bytes the kvstore tier wrote (durably) to its disks."),
+            TierMetrics.VERIFY_FAILURES: OffloadingCounterMetadata(
+                documentation="Chunks whose header or checksum did not verify on a load "
+                              "(left out of the load and dropped from the tier)."),
+            TierMetrics.EVICTED_CHUNKS: OffloadingCounterMetadata(
+                documentation="Chunks the kvstore tier evicted (LRU) to make room."),
+            TierMetrics.STORE_DROPPED_CHUNKS: OffloadingCounterMetadata(
+                documentation="Chunks a store job could not store (no slot free of pins, "
+                              "or a write error)."),
+        }
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        if self._sidx is None:
+            return None
+        with self._lock:
+            counts = dict(self._counts)
+            for k in self._counts:
+                self._counts[k] = 0
+        stats = OffloadingConnectorStats()
+        for name, key in ((TierMetrics.HITS, "hits"), (TierMetrics.LOADED_CHUNKS, "loaded"),
+                          (TierMetrics.READ_BYTES, "read"), (TierMetrics.WRITTEN_BYTES, "written"),
+                          (TierMetrics.VERIFY_FAILURES, "verify"),
+                          (TierMetrics.EVICTED_CHUNKS, "evicted"),
+                          (TierMetrics.STORE_DROPPED_CHUNKS, "dropped")):
+            if counts[key]:
+                stats.increase_counter(name, counts[key])
+        gauges = (self.capacity_bytes, self.used_bytes())
+        if gauges != self._last_gauges:
+            self._last_gauges = gauges
+            stats.set_gauge(TierMetrics.CAPACITY_BYTES, gauges[0])
+            stats.set_gauge(TierMetrics.USED_BYTES, gauges[1])
+        return None if stats.is_empty() else stats
+
+    def used_bytes(self) -> int:
+        """Bytes of slots holding committed chunks, as of the index thread's last
+        transaction (no LMDB read)."""
+        return int(self._sidx.gauges()["used_slots"]) * self.slot_size
+
+    def shutdown(self) -> None:
+        """Stop the I/O threads (jobs not started are reported failed; a batch being
+        moved finishes, so no I/O touches the primary memory after this returns), apply
+        the queued commits, close the store."""
+        if self.closed:
+            return
+        self.closed = True
+        self._load_q.put(None)
+        self._store_q.put(None)
+        for t in self._threads:
+            t.join(timeout=120)
+            if t.is_alive():
+                log.error("kvstore tier: %s still busy after 120 s at shutdown", t.name)
+        self._close_store()
+
+    def _close_store(self) -> None:
+        for rio in (self._rio_load, self._rio_store):
+            if rio is not None:
+                try:
+                    rio.close()
+                except Exception as exc:   # pragma: no cover (close errors are logged)
+                    log.warning("kvstore tier: closing a ring failed: %s", exc)
+        self._rio_load = self._rio_store = None
+        try:
+            if self._sidx is not None:
+                self._sidx.close()
+        finally:
+            if self._store is not None:
+                self._store.close()
+            # every reference to the primary memory goes, so that vLLM can unmap it
+            self._prim = None
+            if self._flat is not None and self._flat is not self._primary_kv_view:
+                try:
+                    self._flat.release()
+                except BufferError as exc:   # pragma: no cover (a view still exported)
+                    log.warning("kvstore tier: primary memory still referenced: %s", exc)
+            self._flat = None
+
+    # ------------------------------------------------------------------ I/O threads
+
+    def _finish(self, result: JobResult) -> None:
+        self._results.append(result)
+        with self._cv:
+            self._outstanding -= 1
+            if not self._outstanding:
+                self._cv.notify_all()
+
+    def _take(self, q, timeout: float | None) -> tuple[list[TransferJob], bool]:
+        """Every job queued now (waiting `timeout` for the first); True once told to stop."""
+        try:
+            first = q.get(timeout=timeout) if timeout is not None else q.get()
+        except queue.Empty:
+            return [], False
+        items = [first]
+        while True:
+            try:
+                items.append(q.get_nowait())
+            except queue.Empty:
+                break
+        stop = any(x is None for x in items)
+        return [x for x in items if x is not None], stop
+
+    def _chunk_addrs(self, job: TransferJob) -> np.ndarray | None:
+        cids = np.asarray(job.chunk_ids, dtype=np.int64)
+        if len(cids) != len(job.keys) or (len(cids) and (cids.min() < 0 or
+                                                          cids.max() >= self.num_chunks)):
+            self._warn("chunk ids", ValueError(
+                f"job {job.job_id}: {len(cids)} chunk ids for {len(job.keys)} keys, or one out "
+                f"of the primary's {self.num_chunks} chunks"))
+            return None
+        return cids
+
+    def _warn(self, what: str, exc: Exception) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning("kvstore tier: %s failed: %s", what, exc)
+
+    def _check_devices(self, rio: RankIO) -> None:
+        """A device the ring found failed is fenced: its entries leave the table."""
+        if not rio.failed:
+            return
+        with self._lock:
+            for d, why in list(rio.failed.items()):
+                if d not in self._fenced:
+                    self._fenced.add(d)
+                    reason = str(why).split(":", 1)[0] or "io_error"
+                    if self._sidx.fence_device(d, reason):
+                        log.error("kvstore tier: device %d (%s) failed (%s); fenced", d,
+                                  self._store.data_dirs[d], why)
+
+    # -- loads --------------------------------------------------------------------------
+    def _load_loop(self) -> None:
+        while True:
+            jobs, stop = self._take(self._load_q, None)
+            if jobs:
+                if self.closed:
+                    for job in jobs:
+                        self._finish(JobResult(job_id=job.job_id, success=False))
+                else:
+                    done: set[int] = set()
+                    try:
+                        self._load_batch(jobs, done)
+                    except Exception as exc:   # never leave a job unreported
+                        self._warn("a load", exc)
+                        log.exception("kvstore tier: load batch failed")
+                        for job in jobs:
+                            if job.job_id not in done:
+                                self._finish(JobResult(job_id=job.job_id, success=False))
+            if stop:
+                return
+
+    def _load_batch(self, jobs: list[TransferJob], done: set[int]) -> None:
+        t0 = time.perf_counter()
+        sidx = self._sidx
+        keys: list[bytes] = []
+        slots: list[int] = []
+        gens: list[int] = []
+        dest: list[int] = []
+        plan = []   # (job, keys, positions in the batch or -1 for a miss)
+        for job in jobs:
+            jkeys = list(job.keys)
+            cids = self._chunk_addrs(job)
+            pos = []
+            if cids is not None:
+                for k, c in zip(jkeys, cids.tolist()):
+                    s, g = sidx.lookup_pin([k])     # pinned: no eviction takes it now
+                    if s:
+                        pos.append(len(keys))
+                        keys.append(k)
+                        slots.append(s[0])
+                        gens.append(g[0])
+                        dest.append(c)
+                    else:
+                        pos.append(-1)
+            else:
+                pos = [-1] * len(jkeys)
+            plan.append((job, jkeys, pos))
+        errors: list = []
+        if keys:
+            refs = SlotRefs(keys, slots, gens)
+            try:
+                errors = self._read(refs, dest)
+            finally:
+                sidx.unpin(slots)
+            self._check_devices(self._rio_load)
+        bad = [keys[i] for i, e in enumerate(errors) if e is not None]
+        corrupt = sum(1 for e in errors if isinstance(e, CorruptSlot))
+        if bad:
+            # never served again: the table forgets them now (lookups miss), LMDB follows
+            sidx.drop(bad)
+            for i, e in enumerate(errors):
+                if e is not None:
+                    log.warning("kvstore tier: chunk %s not loaded (%s); dropped",
+                                keys[i][:-4].hex()[:16], e)
+        good_n = len(keys) - len(bad)
+        with self._lock:
+            self._counts["loaded"] += good_n
+            self._counts["read"] += good_n * self.row
+            self._counts["verify"] += corrupt
+        dt = time.perf_counter() - t0
+        touched = []
+        for job, jkeys, pos in plan:
+            ok = [k for k, p in zip(jkeys, pos) if p >= 0 and errors[p] is None]
+            touched.extend(ok)
+            if len(ok) == len(jkeys):
+                res = JobResult(job_id=job.job_id, success=True, transfer_time=dt,
+                                transfer_bytes=len(ok) * self.row or None)
+            else:
+                res = JobResult(job_id=job.job_id, success=False,
+                                successful_keys=tuple(ok) if ok else None, transfer_time=dt,
+                                transfer_bytes=len(ok) * self.row or None)
+            done.add(job.job_id)
+            self._finish(res)
+        if touched:
+            sidx.touch(touched)
+
+    def _read(self, refs: SlotRefs, dest: list[int]) -> list:
+        rio, row = self._rio_load, self.row
+        if self.data_path == "direct":
+            addrs = np.uint64(self._base) + np.asarray(dest, dtype=np.uint64) * np.uint64(row)
+            return rio.read_at(refs, addrs, verify=self.cfg.verify)
+        prim = self._prim
+
+        def drain(start, stop, views, errs):
+            for j, v in enumerate(views):
+                if errs[j] is None:
+                    c = dest[start + j]
+                    prim[c * row:(c + 1) * row] = v[:row]
+        return rio.read_blocks(refs, drain, verify=self.cfg.verify)
+
+    # -- stores -------------------------------------------------------------------------
+    def _store_loop(self) -> None:
+        stopping = False
+        while True:
+            if stopping:
+                jobs, stop = [], True
+            else:
+                # commits in flight: come back soon for their outcome
+                jobs, stop = self._take(self._store_q, 0.002 if self._batches else 0.05)
+            if jobs:
+                if self.closed:
+                    for job in jobs:
+                        self._finish(JobResult(job_id=job.job_id, success=False))
+                else:
+                    queued: set[int] = set()
+                    try:
+                        self._store_batch(jobs, queued)
+                    except Exception as exc:   # never leave a job unreported
+                        self._warn("a store", exc)
+                        log.exception("kvstore tier: store batch failed")
+                        for job in jobs:
+                            if job.job_id not in queued:
+                                self._finish(JobResult(job_id=job.job_id, success=False))
+            self._poll_index()
+            if stop:
+                stopping = True
+                if not self._batches:
+                    return
+                try:
+                    self._sidx.flush(timeout=60.0)   # the commits in flight are applied
+                except KVStoreError as exc:
+                    self._warn("the last commits", exc)
+                    return
+                self._poll_index()
+                if self._batches:   # (a commit the index thread could not apply)
+                    return
+
+    def _store_batch(self, jobs: list[TransferJob], queued: set[int]) -> None:
+        t0 = time.perf_counter()
+        sidx = self._sidx
+        keys: list[bytes] = []
+        src: list[int] = []
+        seen: dict[bytes, int] = {}
+        plan = []       # (job, positions of its new chunks, valid)
+        for job in jobs:
+            cids = self._chunk_addrs(job)
+            if cids is None:
+                plan.append((job, [], False))
+                continue
+            pos = []
+            for k, c in zip(job.keys, cids.tolist()):
+                if k in seen:
+                    pos.append(seen[k])
+                    continue
+                if k in self._storing or sidx.contains(k):
+                    continue        # the store has it, or a commit in flight brings it
+                seen[k] = len(keys)
+                pos.append(len(keys))
+                keys.append(k)
+                src.append(c)
+            plan.append((job, pos, True))
+        failed: set[int] = set()
+        slots, gens = [], []
+        if keys:
+            s, g = sidx.take(keys)
+            slots, gens = list(s), list(g)
+            deadline = time.monotonic() + POOL_WAIT_S
+            while len(slots) < len(keys) and not self.closed and time.monotonic() < deadline:
+                # the pool is dry: the index thread refills it (evicting LRU entries)
+                time.sleep(0.0005)
+                s, g = sidx.take(keys[len(slots):])
+                slots += list(s)
+                gens += list(g)
+            if len(slots) < len(keys):
+                failed.update(range(len(slots), len(keys)))
+                with self._lock:
+                    self._counts["dropped"] += len(keys) - len(slots)
+            n = len(slots)
+            if n:
+                refs = SlotRefs(keys[:n], slots, gens)
+                try:
+                    errors = self._write(refs, src[:n])
+                except BaseException:
+                    sidx.abort(list(zip(keys[:n], slots, gens)))
+                    raise
+                self._check_devices(self._rio_store)
+                bad = [i for i, e in enumerate(errors) if e is not None]
+                for i in bad:
+                    log.warning("kvstore tier: writing chunk %s failed (%s)",
+                                keys[i][:-4].hex()[:16], errors[i])
+                failed.update(bad)
+                with self._lock:
+                    self._counts["written"] += (n - len(bad)) * self.row
+                    self._counts["dropped"] += len(bad)
+        batch = _Batch([], keys, failed, t0)
+        batch.jobs = plan
+        queued.update(job.job_id for job, _, _ in plan)
+        n = len(slots)
+        if n:
+            self._storing.update(keys[:n])
+            self._batches += 1
+            sidx.commit_blocks(keys[:n], slots, gens, sorted(i for i in failed if i < n),
+                               tag=batch, keys_back=self._events_on)
+        else:
+            self._complete(batch, None)
+
+    def _write(self, refs: SlotRefs, src: list[int]) -> list:
+        rio, row = self._rio_store, self.row
+        durable = self.cfg.durability != "none"
+        if self.data_path == "direct":
+            addrs = np.uint64(self._base) + np.asarray(src, dtype=np.uint64) * np.uint64(row)
+            return rio.write_at(refs, addrs, durable=durable)
+        prim = self._prim
+
+        def fill(start, stop, views):
+            for j, v in enumerate(views):
+                c = src[start + j]
+                v[:row] = prim[c * row:(c + 1) * row]
+        return rio.write_blocks(refs, fill, durable=durable)
+
+    def _complete(self, batch: _Batch, error: Exception | None) -> None:
+        dt = time.perf_counter() - batch.start
+        for job, pos, valid in batch.jobs:
+            ok = valid and error is None and not any(p in batch.failed for p in pos)
+            nbytes = sum(1 for p in pos if p not in batch.failed) * self.row
+            self._finish(JobResult(job_id=job.job_id, success=ok, transfer_time=dt,
+                                   transfer_bytes=nbytes or None))
+
+    def _poll_index(self) -> None:
+        for ev in self._sidx.poll():
+            if ev.kind == "committed":
+                batch = ev.tag
+                self._batches -= 1
+                self._storing.difference_update(batch.keys)
+                if ev.error is not None:
+                    self._warn("a commit", ev.error)
+                self._complete(batch, ev.error)
+                if self._events_on and ev.items:
+                    self._events.append(OffloadingEvent(
+                        keys=[k for k, _, _ in ev.items], medium=self.medium, removed=False,
+                        locality=self.locality))
+            elif ev.kind in ("evicted", "dropped"):
+                if ev.kind == "evicted":
+                    with self._lock:
+                        self._counts["evicted"] += ev.count or len(ev.keys)
+                if self._events_on and ev.keys:
+                    self._events.append(OffloadingEvent(
+                        keys=list(ev.keys), medium=self.medium, removed=True,
+                        locality=self.locality))
+            elif ev.kind == "announce":
+                self._events.extend(ev.items)
+                self._events.append(_ANNOUNCED)
+            elif ev.kind == "error":
+                self._warn(ev.what, ev.error)
+
+    def _announce(self, keys: list[bytes]) -> list:
+        """Index thread, after a restart: the chunks found on disk, as BlockStored."""
+        return [OffloadingEvent(keys=list(keys), medium=self.medium, removed=False,
+                                locality=self.locality)]
