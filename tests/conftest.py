@@ -1,12 +1,51 @@
-"""Shared fixtures: real files, real mounts, and leak checks (open fds) after each test."""
+"""Shared fixtures: real files, real mounts, and leak checks (open fds) after each test;
+the suite's markers (pyproject.toml) applied where a test's place or fixtures say them; a
+SIGTERM of the run turned into a clean teardown."""
 import contextlib
 import os
+import signal
 import subprocess
 import uuid
+from pathlib import Path
 
 import pytest
 
 from leak_util import open_fds
+
+E2E_DIR = Path(__file__).resolve().parent / "e2e"
+# Fixtures that mount a file system (tmpfs, ramfs, loop-mounted ext4): a test using one
+# needs root. Tests that mount by themselves carry @pytest.mark.root explicitly.
+MOUNT_FIXTURES = {"small_fs", "ramfs", "small_disk", "disks"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """`e2e` for every test under tests/e2e/ (a new file there gets it too), `root` for
+    every test that uses a mount fixture."""
+    for item in items:
+        if E2E_DIR in Path(str(item.path)).resolve().parents:
+            item.add_marker(pytest.mark.e2e)
+        if MOUNT_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.root)
+
+
+_PYTEST_PID = os.getpid()
+
+
+def _sigterm(signum, frame):
+    if os.getpid() != _PYTEST_PID:
+        # A child forked by a test inherited this handler: it dies of SIGTERM as it would
+        # have without it (tests look at their children's exit status).
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    # As Ctrl-C: pytest stops the test in progress and still runs every fixture's
+    # finalizer (servers stopped, mounts unmounted) before it exits.
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def pytest_configure(config):
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _sigterm)
 
 
 @pytest.fixture

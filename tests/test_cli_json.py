@@ -45,6 +45,8 @@ ARGS = {
     ("bench", "ttft"): ["--model", "tiny", "--lengths", "64", "--samples", "1", "--systems", "kvstore"],
 }
 MAY_FAIL = {("bench", "soak")}
+# The commands that start real servers (marker e2e).
+SERVES = {("demo",), ("bench", "ttft")}
 
 
 def _json_commands(group: click.Group, prefix=()):
@@ -74,7 +76,8 @@ def stores(tmp_path_factory):
     return {"src": src, "dst": dst}
 
 
-@pytest.mark.parametrize("path", sorted(ARGS), ids=lambda p: "-".join(p))
+@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.e2e] if p in SERVES else [])
+                                  for p in sorted(ARGS)], ids=lambda p: "-".join(p))
 def test_json_output_parses_as_one_object(path, stores, tmp_path):
     args = [a.format(**stores) for a in ARGS[path]]
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),

@@ -25,6 +25,7 @@ def test_a_symlinked_data_dir_is_refused(tmp_path):
                          data_dirs=[str(a), str(tmp_path / "alias")])
 
 
+@pytest.mark.root
 def test_one_directory_bind_mounted_twice_is_refused_by_name(tmp_path):
     a, b, alias = tmp_path / "nvme0", tmp_path / "nvme1", tmp_path / "alias"
     for d in (a, b, alias):
@@ -43,6 +44,7 @@ def test_one_directory_bind_mounted_twice_is_refused_by_name(tmp_path):
                      data_dirs=[str(a), str(b)]).close()            # distinct ones are fine
 
 
+@pytest.mark.root
 def test_an_engine_on_a_read_only_store_is_refused_with_what_to_do(tmp_path):
     """A store on a read-only mount: an engine is refused with a message (not a bare
     OSError) and the store is unchanged; read-only openers still work."""

@@ -93,6 +93,7 @@ def test_store_directory_as_a_data_directory_probes_usable(tmp_path, disks):  # 
             si.close()
 
 
+@pytest.mark.root
 def test_fsck_repair_leaves_an_empty_mount_point_alone(tmp_path):
     """A device unmounted with data_dirs naming its mount point leaves an empty directory:
     fsck --repair took it for a device whose rank directory was deleted, recreated the
@@ -162,6 +163,7 @@ def test_interrupted_creation_over_devices_is_cleaned_up(tmp_path, disks):  # no
         assert json.load(open(os.path.join(ddir, "kvstore-data.json")))["complete"] is True
 
 
+@pytest.mark.root
 def test_fsck_repair_leaves_the_empty_mount_point_of_a_single_data_dir_alone(tmp_path):
     """data_dirs with one entry (the slots on one device apart from the store directory):
     the missing-device check only ran with several devices, so --repair recreated the
