@@ -75,10 +75,9 @@ def test_index_write_on_a_full_disk_is_a_clear_kvstore_error(small_fs, map_full)
 def test_disk_fills_up_while_serving(small_fs, caplog):
     store = small_fs / "store"
     old = prompts(70, 4, 90)                              # 5 full blocks each
-    # check=False: a commit that failed on the full disk leaves its reservations behind
-    # (connector bug, see test_failed_index_commit_releases_its_reservations); every
-    # other end-of-test check of kv_harness is done below.
-    with kv_harness(store, extra={"capacity": "6M", "staging": "256K"}, check=False) as h:
+    # kv_harness's end-of-test checks (assert_quiescent: nothing pinned, reserved or in
+    # flight, no stray open file) run on the store the full disk left behind.
+    with kv_harness(store, extra={"capacity": "6M", "staging": "256K"}) as h:
         h.run(old, max_tokens=1)
         settle(h)
         committed = sched(h).store.stats()["used_slots"]

@@ -228,7 +228,12 @@ def _grower(path, out, go):
     go.get(timeout=60)
     first = ix._env.info()["map_size"]
     n = 0
+    # Each round keeps 10 more keys of ~400 bytes: 8x a 1 MiB map is some 2,000 rounds'
+    # worth; a map that has not grown after 100 times that many never will (a hang).
     while ix._env.info()["map_size"] < 8 * first:
+        if n >= 50 * 200_000:
+            out.put(("stuck", ix._env.info()["map_size"], first))
+            return
         keys = [b"g%07d" % (n + i) + b"x" * 400 for i in range(50)]
         items, _ = ix.reserve(keys)
         ix.commit(items, sync=False)
@@ -270,8 +275,10 @@ def test_index_writes_and_reads_go_on_while_another_process_grows_the_map(tmp_pa
     th.start()
     go.put("go")
     i = 100
+    deadline = time.monotonic() + 600       # bounds a hang only
     try:
         while p.is_alive() and out.empty() and len(errors) < 20:
+            assert time.monotonic() < deadline, "the other process did not grow the map in 600 s"
             try:
                 got, _ = ix.reserve([k(i)])
                 ix.commit(got, sync=False)
@@ -279,14 +286,16 @@ def test_index_writes_and_reads_go_on_while_another_process_grows_the_map(tmp_pa
             except Exception as exc:    # noqa: BLE001
                 errors.append(f"write: {type(exc).__name__}: {exc}")
             i += 1
-        assert out.get(timeout=60)[0] == "grown"
+        msg = out.get(timeout=60)
+        assert msg[0] == "grown", msg
         got, _ = ix.reserve([k(99999)])        # after the last growth too
         ix.commit(got)
     except Exception as exc:    # noqa: BLE001
         errors.append(f"write: {type(exc).__name__}: {exc}")
     finally:
         stop.set()
-        th.join(30)
+        th.join(300)                            # bounds a hang only
+    assert not th.is_alive(), "the reader thread did not stop in 300 s"
     assert errors == []
     assert ix.check_consistency() == []
     ix.close()
@@ -373,7 +382,8 @@ def test_a_forked_child_does_not_keep_a_killed_engine_alive(tmp_path, procs):
             theirs = shared.owner_id(msg[1], shared.process_start_ticks(msg[1]))
             assert st.index.owned_counts().get(theirs) == 3
             os.kill(p.pid, signal.SIGKILL)
-            p.join(10)
+            p.join(300)                            # bounds a hang only
+            assert p.exitcode == -signal.SIGKILL, p.exitcode
             refs, _ = st.reserve([k(0)])           # reaps the dead engine first
             st.abort(refs)
             assert theirs not in st.index.owned_counts()

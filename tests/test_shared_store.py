@@ -201,13 +201,13 @@ class Engine:
 
     def stop(self):
         assert self.call("stop")[0] == "stopped"
-        self.proc.join(30)
+        self.proc.join(300)                     # bounds a hang only
         assert self.proc.exitcode == 0, self.proc.exitcode
 
     def kill(self):
         os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(10)
-        assert self.proc.exitcode == -signal.SIGKILL
+        self.proc.join(300)                     # bounds a hang only
+        assert self.proc.exitcode == -signal.SIGKILL, self.proc.exitcode
 
 
 @pytest.fixture
@@ -284,7 +284,7 @@ def store_clean(path) -> None:
     assert rep.error is None and rep.findings == [] and rep.exit_code == 0, rep.to_json()
 
 
-def wait_reaped(path, dead: Engine, alive: list[Engine], timeout=20.0) -> None:
+def wait_reaped(path, dead: Engine, alive: list[Engine], timeout=300.0) -> None:
     """Until the survivors reclaimed the dead engine's reservations and its lease."""
     deadline = time.monotonic() + timeout
     while True:
