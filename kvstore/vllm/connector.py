@@ -16,12 +16,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorRole, KVConnectorTransferResults, SupportsHMA,
+from kvstore.vllm.config import (
+    ConnectorConfig, carrier_group, kv_group_kinds, layout_from_vllm, unsupported_vllm,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvstore.vllm.config import ConnectorConfig, carrier_group, kv_group_kinds, layout_from_vllm
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1, KVConnectorRole, KVConnectorTransferResults, SupportsHMA,
+    )
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError as _exc:    # a vLLM whose connector API kvstore does not know
+    raise unsupported_vllm(f"importing its KV-connector API failed ({_exc})",
+                           "the connector base class and the disk cache-hit source") from None
 from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta
 from kvstore.vllm.metrics import KVStorePromMetrics, KVStoreStats
 
