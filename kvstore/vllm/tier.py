@@ -145,19 +145,20 @@ def tier_layout(offloading_spec, chunk_bytes: int) -> Layout:
     block hash + group, as OffloadingConnector keys chunks)."""
     c = offloading_spec.config
     par = c.parallel
+    # (causes before derived sizes: a mismatch names the first field that differs)
     fields = {
-        "chunk_bytes": chunk_bytes,
         "blocks_per_chunk": c.cache.blocks_per_chunk,
         "tokens_per_hash": c.cache.tokens_per_hash,
-        "worker_block_bytes": c.worker_kv_bytes_per_block,
         "groups": "+".join(f"{g.group_id}:{g.tokens_per_block}x{len(g.layer_names)}"
                            for g in c.groups) or "-",
-        "kv_cache_layout": c.kv_cache_layout or "-",
-        "canonical": int(bool(c.canonical_layout)),
-        "replicated": int(bool(c.replicated_layout)),
         "parallel": ("agnostic" if par.is_parallelism_agnostic else
                      f"tp{par.tp_size}-pp{par.pp_size}-pcp{par.pcp_size}-dcp{par.dcp_size}"
                      f"-world{par.world_size}"),
+        "replicated": int(bool(c.replicated_layout)),
+        "canonical": int(bool(c.canonical_layout)),
+        "kv_cache_layout": c.kv_cache_layout or "-",
+        "worker_block_bytes": c.worker_kv_bytes_per_block,
+        "chunk_bytes": chunk_bytes,
     }
     layers = sum(len(g.layer_names) for g in c.groups)
     return Layout(
@@ -251,7 +252,6 @@ class KVStoreTier(SecondaryTierManager):
         self.row = row
         self.num_chunks = len(self._prim) // row
         self._base = int(self._prim.__array_interface__["data"][0])
-        self.layout = tier_layout(offloading_spec, row)
         direct_io = cfg.io_mode == "direct"
         if row % HEADER_SIZE:
             self.data_path, self.data_path_reason = "staging", (
@@ -284,8 +284,9 @@ class KVStoreTier(SecondaryTierManager):
                         "evicted": 0, "dropped": 0}
         self._last_gauges = None
 
-        check_tier_store(cfg.path, self.layout)
         try:
+            self.layout = tier_layout(offloading_spec, row)
+            check_tier_store(cfg.path, self.layout)
             ensure_store(cfg.path, self.layout, cfg.capacity, io_mode=cfg.io_mode,
                          create=cfg.create, data_dirs=cfg.data_dirs)
             self._store = DiskStore(cfg.path, self.layout, sync=cfg.durability != "none")
@@ -760,11 +761,11 @@ class KVStoreTier(SecondaryTierManager):
                 self._storing.difference_update(batch.keys)
                 if ev.error is not None:
                     self._warn("a commit", ev.error)
-                self._complete(batch, ev.error)
-                if self._events_on and ev.items:
+                if self._events_on and ev.items:    # (published with the jobs' results)
                     self._events.append(OffloadingEvent(
                         keys=[k for k, _, _ in ev.items], medium=self.medium, removed=False,
                         locality=self.locality))
+                self._complete(batch, ev.error)
             elif ev.kind in ("evicted", "dropped"):
                 if ev.kind == "evicted":
                     with self._lock:
