@@ -1,7 +1,9 @@
 """Shared fixtures: real files, real mounts, and leak checks (open fds) after each test;
 the suite's markers (pyproject.toml) applied where a test's place or fixtures say them; a
-SIGTERM of the run turned into a clean teardown."""
+SIGTERM of the run turned into a clean teardown; the run's mounts in a mount namespace of
+its own, so that no kill of the run can leave one behind."""
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -15,7 +17,7 @@ from leak_util import open_fds
 E2E_DIR = Path(__file__).resolve().parent / "e2e"
 # Fixtures that mount a file system (tmpfs, ramfs, loop-mounted ext4): a test using one
 # needs root. Tests that mount by themselves carry @pytest.mark.root explicitly.
-MOUNT_FIXTURES = {"small_fs", "ramfs", "small_disk", "disks"}
+MOUNT_FIXTURES = {"small_fs", "ramfs", "small_disk", "disks", "three_disks"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -43,9 +45,36 @@ def _sigterm(signum, frame):
     raise KeyboardInterrupt("SIGTERM")
 
 
+_CLONE_NEWNS = 0x00020000
+_MS_REC, _MS_PRIVATE = 0x4000, 0x40000
+
+
+def _private_mount_namespace() -> None:
+    """Move the run (as root) into a mount namespace of its own whose mounts propagate
+    nowhere. Every process the tests start (servers, `kvstore` commands, `mount` itself)
+    inherits it, so the tests' tmpfs, ramfs and loop-mounted ext4 mounts exist only there
+    and end with the last of those processes: a SIGKILLed run leaves none behind (the loop
+    devices, attached with autoclear by `mount -o loop`, detach with them). The host does
+    not see them; to look at a running suite's mounts: `nsenter -t <pytest pid> -m findmnt`.
+    KVSTORE_TEST_HOST_MOUNTS=1 keeps the host's namespace (then a killed run's mounts stay,
+    and .ci/run's clean-up removes them)."""
+    if os.geteuid() != 0 or os.environ.get("KVSTORE_TEST_HOST_MOUNTS") == "1":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    # unshare moves only the calling thread (pytest's main thread, before any test runs);
+    # every thread and process started from it later inherits the namespace.
+    if libc.unshare(_CLONE_NEWNS) != 0:
+        raise pytest.UsageError(f"unshare(CLONE_NEWNS) failed: {os.strerror(ctypes.get_errno())}; "
+                                "set KVSTORE_TEST_HOST_MOUNTS=1 to mount in the host's namespace")
+    if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+        raise pytest.UsageError(f"making / private in the tests' mount namespace failed: "
+                                f"{os.strerror(ctypes.get_errno())}")
+
+
 def pytest_configure(config):
     if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, _sigterm)
+    _private_mount_namespace()
 
 
 @pytest.fixture
