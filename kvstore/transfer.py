@@ -9,9 +9,11 @@ CUDA, straight into and out of the pinned staging payloads io_uring uses). Never
 Python loop per block, never a host copy of KV bytes, never a torch indexing op.
 
 Which thread does what (CUDA): the step thread calls `gather` (enqueue a store after the
-forward on the current stream), `mark` and `fence`; none of them waits for the GPU. The
-I/O thread calls `bind_thread` once, then `scatter` and `wait` (it sleeps on a
-blocking-sync event; no core spins). On CPU every copy is done when the call returns.
+forward on the current stream; the stream's later work waits for it) and `mark`; neither
+waits for the GPU. The I/O thread calls `bind_thread` once, then `scatter` and `wait` (it
+sleeps on a blocking-sync event; no core spins). On CPU every copy is done when the call
+returns. A copy that cannot be issued or ordered raises `CopyError` (its `ticket` says
+when the memory it touched may be reused).
 
 Staging slot i holds [HEADER_SIZE header][payload]; the payload of a block is the pages
 of all its layers, in KVCacheTensor/layer order, concatenated.
@@ -22,7 +24,7 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvstore._copy import CopyEngine
+from kvstore._copy import CopyEngine, CopyError  # noqa: F401  (CopyError: part of this API)
 from kvstore.errors import ConfigError
 from kvstore.layout import HEADER_SIZE
 from kvstore.staging import Staging
@@ -231,6 +233,7 @@ class KVTransfer:
         for r in self.regions:
             rows += r.rows(col)
             col += len(r.layers) * r.page
+        self.rows, self.kv_base, self.kv_nbytes = rows, base, nbytes
         ordinal = -1
         if self.cuda:
             ordinal = device.index if device.index is not None else 0
@@ -251,14 +254,18 @@ class KVTransfer:
         """Copy blocks into staging payloads (a store): a ticket for `wait` (0: done).
 
         CUDA: ordered after the work already enqueued on the current stream (the forward
-        that wrote the blocks); the call only enqueues."""
+        that wrote the blocks), and that stream's later work (vLLM zeroing or copying into
+        reallocated blocks, the next forward) is ordered after the copy; the call only
+        enqueues. Raises CopyError (see `ticket`) if the copy or that order cannot be
+        set up."""
         if not len(block_ids):
             return 0
         return self.engine.store(block_ids, stage_slots, self._stream() if self.cuda else 0)
 
     def mark(self) -> int:
         """A ticket for the work enqueued so far on the current stream (step thread): a
-        `scatter(..., after=ticket)` does not start before it (0 on CPU)."""
+        `scatter(..., after=ticket)` does not start before it (0 on CPU). Raises
+        CopyError when it cannot be made: a load must then not run."""
         return self.engine.mark(self._stream()) if self.cuda else 0
 
     def scatter(self, stage_slots: Sequence[int], block_ids: Sequence[int], after: int = 0) -> int:
@@ -272,13 +279,6 @@ class KVTransfer:
     def release(self, ticket: int) -> None:
         """Recycle a `mark` ticket that no scatter used."""
         self.engine.release(ticket)
-
-    def fence(self) -> None:
-        """Make the compute stream wait (GPU-side) for every gather issued so far, before
-        the next forward may overwrite a block they read (lazy stores gather blocks that
-        vLLM is about to reuse)."""
-        if self.cuda:
-            self.engine.fence(self._stream())
 
     def bind_thread(self) -> None:
         """Make this rank's device current on the calling thread (the I/O thread)."""

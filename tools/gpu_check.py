@@ -7,6 +7,10 @@ straight between the KV cache and the pinned staging io_uring uses) is byte-exac
 vLLM's ordering, never holds vLLM's step thread, is as fast as a plain copy, and leaks
 nothing. Writes gpu_check.json and gpu_check.txt (a readable summary) to --out.
 
+Correctness and performance are reported apart: the exit status and the RESULT line
+count the correctness sections only; the performance sections print their numbers and
+targets on a PERFORMANCE line.
+
 Sections (each reports ok/fail and its numbers; one failing does not stop the others):
   env          python/torch/driver versions, cuMemcpyBatchAsync present, KV source
   roundtrip    KV caches from vLLM's allocate_kv_cache (or, without vLLM, the same
@@ -26,32 +30,39 @@ Sections (each reports ok/fail and its numbers; one failing does not stop the ot
                with its page), every other byte of the allocation untouched, the store
                read-only, staging payloads = the carrier pages with each Mamba state at
                its page's head, and a misplaced Mamba view refused
-  ordering     (CUDA) a slow kernel writes a block, then the store is issued: the store
-               holds the kernel's bytes; a block overwritten right after the store was
-               issued (behind the fence): the store holds the old bytes
-  step_thread  host time of the step thread's calls (gather = wait_for_save's work,
-               fence/mark, the load poll = get_finished's work; and the real
-               KVStoreWorker.wait_for_save/get_finished when vLLM is importable) issued
-               behind a 300 ms kernel: target < 1 ms each
-  bandwidth    gather (D2H) and scatter (H2D) of 1..1024 blocks of 64 KiB, 512 KiB and
+  ordering     (streams) a store issued behind a slow kernel that writes the block, then
+               a write of the same block enqueued on the compute stream before the step
+               ends (vLLM zeroing or copying into a reallocated block): the staged bytes
+               are the first kernel's; a write of a block behind a slow kernel, then
+               mark + scatter into it: the loaded bytes win; on device 0 and on another
+               device where there is one
+  fail_closed  (driver stand-in only: it injects driver failures) the real
+               KVStoreWorker: a load whose mark fails is recomputed without a copy;
+               staging a failed gather may still write goes back only after that copy
+               completed
+  step_thread  (performance) host time of the step thread's calls (gather =
+               wait_for_save's work, mark, the load poll = get_finished's work; and the
+               real KVStoreWorker.wait_for_save/get_finished when vLLM is importable)
+               issued behind a 300 ms kernel: target < 1 ms each
+  store_cost   (performance) host time of a 512-block store of a 32-layer layer-major
+               cache (16K segments), and how long it holds the next forward back (the
+               compute stream waits for the store)
+  bandwidth    (performance) gather (D2H) and scatter (H2D) of 1..1024 blocks of 64 KiB, 512 KiB and
                2.5 MiB, block-major and layer-major, against one plain copy of the same
                bytes between device and pinned memory: targets >= 0.8x at 2.5 MiB and
                >= 0.5x at 64 KiB (at the largest count)
-  compute      (CUDA) slowdown of a matmul loop while 1 GiB moves both ways
+  compute      (performance, CUDA) slowdown of a matmul loop while 1 GiB moves both ways
   memory       device memory, pinned/resident host memory and copy events over 100
                store+load rounds (after a warm-up): target no growth
 
-Run on the lent GPU machine (nvidia-h200: python3 3.12 with torch, no network, no vLLM,
-no liburing binding, no lmdb) from a working tree that carries a bundle made here with
-`tools/gpu_bundle.sh` (kvstore's extensions and those packages built for that python):
-
-    run(command="python3 tools/gpu_check.py --bundle .gpu --out $OUT", carry=[".gpu"],
-        timeout_s=600)
-
+Run on a lent GPU machine as docs/gpu.md says (tools/gpu_run.sh: an io_uring probe, then
+this check, from a working tree that carries a bundle made with tools/gpu_bundle.sh).
 It needs about 2-4 minutes there (budget: under 8). On a machine without a GPU,
-`--device cpu` runs every section that does not need CUDA (the copy engine's CPU
-backend, the same segment lists), e.g. `python tools/gpu_check.py --device cpu --out out/`.
-Exit status 0 only if every check passed.
+`--device cpu` runs every section that does not need streams (the copy engine's CPU
+backend, the same segment lists), and `--device standin` runs the stream sections
+(ordering, fail_closed, store_cost) against tools/cuda_standin.c, a stand-in for the
+driver calls the copy engine makes (built here with gcc; the check re-runs itself with
+it on LD_LIBRARY_PATH). Exit status 0 only if every correctness check passed.
 """
 from __future__ import annotations
 
@@ -75,8 +86,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(
         prog="gpu_check.py", description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                    help="where the KV cache lives (default cuda; cpu dry-runs the flow)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu", "standin"),
+                    help="where the KV cache lives (default cuda; cpu dry-runs the flow; standin "
+                         "runs the stream sections against tools/cuda_standin.c)")
     ap.add_argument("--out", default=None, help="directory for gpu_check.json and gpu_check.txt")
     ap.add_argument("--bundle", default=None,
                     help="folder made by tools/gpu_bundle.sh (extensions + packages for this python)")
@@ -110,13 +122,14 @@ class Report:
         self.data: dict = {"sections": {}}
         self.lines: list[str] = []
         self.ok = True
+        self.perf: dict = {}
 
     def line(self, text: str = "") -> None:
         print(text, flush=True)
         self.lines.append(text)
 
-    def section(self, name: str, fn, *args) -> None:
-        self.line(f"== {name}")
+    def section(self, name: str, fn, *args, perf: bool = False) -> None:
+        self.line(f"== {name}" + ("  (performance)" if perf else ""))
         t0 = time.time()
         try:
             res = fn(self, *args)
@@ -127,8 +140,12 @@ class Report:
             self.line("   " + traceback.format_exc().strip().replace("\n", "\n   "))
         res.setdefault("ok", True)
         res["seconds"] = round(time.time() - t0, 2)
+        res["kind"] = "performance" if perf else "correctness"
         self.data["sections"][name] = res
-        self.ok &= bool(res["ok"])
+        if perf:
+            self.perf[name] = res["ok"]
+        else:
+            self.ok &= bool(res["ok"])
         self.line(f"   -> {'ok' if res['ok'] is True else ('n/a' if res['ok'] == 'n/a' else 'FAIL')} "
                   f"({res['seconds']} s)")
 
@@ -151,6 +168,8 @@ class Ctx:
         self.torch = torch
         self.args = args
         self.cuda = args.device == "cuda"
+        self.standin = args.device == "standin"
+        self.streams = self.cuda or self.standin     # copies run on streams, later
         self.dev = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
         self.tmp = tempfile.mkdtemp(prefix="kvstore-gpu-check-", dir=args.dir)
         self.kv_source = args.kv_source
@@ -185,9 +204,10 @@ class Ctx:
         raise ValueError(kind)
 
     def build_kv(self, kind: str, layout: str, num_layers: int, num_blocks: int,
-                 block_size: int = 16, page: int | None = None):
+                 block_size: int = 16, page: int | None = None, dev=None):
         """(kv_cache_config, layer names, {name: view}, page bytes) on the device."""
         t = self.torch
+        dev = self.dev if dev is None else dev
         s = self.spec(kind)
         block_major = layout.startswith("BL")
         if page is not None:   # bandwidth sweep: a bf16 cache with this page size
@@ -212,14 +232,14 @@ class Ctx:
                                 kv_cache_tensors=[KVCacheTensor(size=num_layers * num_blocks * pg, layers=names,
                                                                 layer_stride=ls, block_stride=bs)])
             cfg.kv_cache_layout = layout
-            kv = allocate_kv_cache(cfg, self.dev, KVCacheLayout[layout], [block_size])
+            kv = allocate_kv_cache(cfg, dev, KVCacheLayout[layout], [block_size])
             return cfg, names, kv, pg
         # Without vLLM: the same KVCacheTensor placement, one [B, page] view per layer.
         from types import SimpleNamespace as NS
         es = t.empty(0, dtype=s["dtype"]).element_size()
         pg = block_size * s["heads"] * s["head"] * (1 if s["mla"] else 2) * es
         ls, bs = (pg, num_layers * pg) if block_major else (num_blocks * pg, pg)
-        buf = t.zeros(num_layers * num_blocks * pg, dtype=t.int8, device=self.dev)
+        buf = t.zeros(num_layers * num_blocks * pg, dtype=t.int8, device=dev)
         kv = {n: buf.view(t.uint8).as_strided((num_blocks, pg), (bs, 1), l * ls).view(s["dtype"])
               for l, n in enumerate(names)}
         tensor = NS(size=buf.numel(), layers=names, layer_stride=ls, block_stride=bs, offset=0)
@@ -260,6 +280,109 @@ class Ctx:
                 path = self.path(name + "-pc")
                 print(f"   (O_DIRECT refused here: {exc}; using the page cache)")
         raise AssertionError("unreachable")
+
+
+    def transfer(self, kv, cfg, staging, compute=None, use_batch=True):
+        """The worker's KVTransfer over `kv`; with the driver stand-in, its copy engine
+        is a CUDA one (device `compute.device`) over the host-memory KV cache, ordered
+        against `compute`'s stream, exactly as on a GPU."""
+        from kvstore._copy import CopyEngine
+        from kvstore.transfer import KVTransfer
+        xfer = KVTransfer(kv, cfg, staging, use_batch=use_batch)
+        if self.standin:
+            adopt_standin(xfer, compute, use_batch)
+        return xfer
+
+
+def adopt_standin(xfer, compute, use_batch=True):
+    """Give a host-memory KVTransfer a CUDA copy engine on the driver stand-in, ordered
+    against the stand-in compute stream `compute`."""
+    from kvstore._copy import CopyEngine
+    st = xfer.staging
+    xfer.engine.close()
+    xfer.engine = CopyEngine(xfer.rows, xfer.kv_base, xfer.kv_nbytes, st.address, st.nbytes,
+                             st.slot_size, device=compute.device, use_batch=use_batch)
+    xfer.cuda = True
+    xfer._stream = lambda: compute.stream
+
+
+class Compute:
+    """vLLM's compute stream on one device, and the kernels the ordering checks put on
+    it: `hold()` (a kernel that keeps the stream busy: a ~300 ms spin on a GPU, a gate
+    the check opens with the stand-in; returns the opener), `fill` (a kernel writing one
+    byte value over a block's pages, as vLLM zeroing a reallocated block does)."""
+
+    def __init__(self, ctx, device: int = 0):
+        self.ctx, self.device = ctx, device
+        if ctx.standin:
+            import ctypes
+            self.lib = ctypes.CDLL("libcuda.so.1")
+            self.lib.standin_stream_create.restype = ctypes.c_void_p
+            self.lib.standin_fill.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+            self.lib.standin_gate.argtypes = [ctypes.c_void_p, ctypes.c_int]
+            self.lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+            self.lib.standin_stream_destroy.argtypes = [ctypes.c_void_p]
+            self.stream = self.lib.standin_stream_create()
+            self._gate = 0
+            # Copies start 5 ms late (a busy DMA engine): a write the copy is not
+            # ordered before really does land first.
+            self.lib.standin_set_copy_latency_us(5000)
+        else:
+            t = ctx.torch
+            self.dev = t.device("cuda", device)
+            t.cuda.set_device(self.dev)
+            self.stream = t.cuda.current_stream(self.dev).cuda_stream
+
+    def hold(self):
+        if self.ctx.standin:
+            self._gate += 1
+            g = self._gate % 64
+            self.lib.standin_gate(self.stream, g)
+            return lambda: self.lib.standin_open_gate(g)
+        spin(self.ctx, 300)
+        return lambda: None
+
+    def fill(self, kv, names, block: int, value: int):
+        t = self.ctx.torch
+        for nm in names:
+            page = kv[nm][block].view(t.uint8)
+            if self.ctx.standin:
+                self.lib.standin_fill(self.stream, page.data_ptr(), value, page.numel())
+            else:
+                page.fill_(value)
+
+    def sync(self):
+        if self.ctx.standin:
+            self.lib.cuStreamSynchronize(self.stream)
+        else:
+            self.ctx.torch.cuda.synchronize(self.dev)
+
+    def close(self):
+        if self.ctx.standin and self.stream:
+            self.lib.standin_stream_destroy(self.stream)
+            self.stream = None
+
+
+def use_standin(argv) -> None:
+    """Build tools/cuda_standin.c as libcuda.so.1 and re-run this check with it first on
+    LD_LIBRARY_PATH (the dynamic loader reads that variable at process start)."""
+    if os.environ.get("KVSTORE_CUDA_STANDIN"):
+        return
+    import subprocess
+    lib_dir = tempfile.mkdtemp(prefix="kvstore-cuda-standin-")
+    src = os.path.join(ROOT, "tools", "cuda_standin.c")
+    r = subprocess.run(["gcc", "-O2", "-Wall", "-shared", "-fPIC", "-pthread", "-o",
+                        os.path.join(lib_dir, "libcuda.so.1"), src], capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"gpu_check: cannot build the driver stand-in ({src}): {r.stderr}")
+    env = dict(os.environ, KVSTORE_CUDA_STANDIN=lib_dir,
+               LD_LIBRARY_PATH=lib_dir + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    try:
+        rc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env=env).returncode
+    finally:
+        import shutil
+        shutil.rmtree(lib_dir, ignore_errors=True)
+    sys.exit(rc)
 
 
 def layout_kw(kind, names, page, block_size=16, heads=8, head=128, layout="LBNHC"):
@@ -315,7 +438,10 @@ def sec_env(rep: Report, ctx: Ctx, bundle: str):
     info = {"python": platform.python_version(), "torch": t.__version__, "numpy": __import__("numpy").__version__,
             "device": str(ctx.dev), "bundle": bundle, "kv_source": ctx.kv_source, "store_dir": ctx.tmp,
             "kvstore_ext": os.path.dirname(_copy.__file__)}
-    if ctx.cuda:
+    if ctx.standin:
+        info["driver"] = "stand-in " + os.path.join(os.environ.get("KVSTORE_CUDA_STANDIN", "?"), "libcuda.so.1")
+        info.update(_cuda.driver_info())
+    elif ctx.cuda:
         if not t.cuda.is_available():
             raise RuntimeError("torch sees no CUDA device; run with --device cpu on a machine without one")
         info["gpu"] = t.cuda.get_device_name(ctx.dev)
@@ -690,58 +816,246 @@ def sec_hybrid(rep: Report, ctx: Ctx):
     return out
 
 
+def ordering_devices(rep, ctx) -> list[int]:
+    if ctx.standin:
+        return [0, 1]
+    n = ctx.torch.cuda.device_count()
+    if n < 2:
+        rep.line("   (one GPU on this machine: the ordering on a device other than 0 is not checked)")
+    return [0, 1] if n >= 2 else [0]
+
+
 def sec_ordering(rep: Report, ctx: Ctx):
-    if not ctx.cuda:
-        rep.line("   needs CUDA streams (CPU copies are synchronous)")
+    if not ctx.streams:
+        rep.line("   needs streams (CPU copies are synchronous): run --device cuda or --device standin")
         return {"ok": "n/a"}
+    out, ok = {}, True
+    for d in ordering_devices(rep, ctx):
+        res = _ordering_on(rep, ctx, d)
+        out[f"device{d}"] = res
+        ok &= res["ok"]
+    out["ok"] = ok
+    return out
+
+
+def _ordering_on(rep, ctx, device):
     t = ctx.torch
     from kvstore.staging import Staging
-    from kvstore.transfer import KVTransfer
-    cfg, names, kv, page = ctx.build_kv("bf16", "LBNHC", 8, 64)
+    dev = t.device("cuda", device) if ctx.cuda else ctx.dev
+    compute = Compute(ctx, device)
+    cfg, names, kv, page = ctx.build_kv("bf16", "LBNHC", 8, 64, dev=dev)
     ctx.randomize(kv, names)
     staging = Staging(4, 4096 + -(-page * 8 // 4096) * 4096, page * 8)
-    xfer = KVTransfer(kv, cfg, staging)
+    xfer = ctx.transfer(kv, cfg, staging, compute)
     out = {}
     try:
-        def fill(b, v):
-            for nm in names:
-                kv[nm][b].view(t.uint8).fill_(v)
-
-        # a) a slow kernel writes the block, then the store is issued at once
-        ctx.sync()
-        spin(ctx, 300)
-        fill(7, 0x5A)
+        compute.sync()
+        # a) The store of a block, issued (wait_for_save) behind a slow kernel that writes
+        # the block; before the step ends, vLLM enqueues more writes of that block on the
+        # compute stream (_update_states zeroing a block it hands out again, a
+        # copy-on-write): the staged bytes must be what the first kernel wrote.
+        staging.payload_view(0)[:] = 0
+        opened = compute.hold()
+        compute.fill(kv, names, 7, 0x5A)          # the forward writes block 7
         t0 = time.perf_counter()
-        tk = xfer.gather([7], [0])
+        tk = xfer.gather([7], [0])                # wait_for_save
         issue_ms = (time.perf_counter() - t0) * 1e3
+        compute.fill(kv, names, 7, 0x00)          # the next step's zeroing of block 7
+        opened()
         xfer.wait(tk)
-        got = staging.payload_view(0)
-        a_ok = bool((got == 0x5A).all())
-        out["store_after_slow_write"] = {"ok": a_ok, "issue_ms": round(issue_ms, 3)}
-        rep.line(f"   store issued behind a 300 ms kernel that writes the block: "
-                 f"{'captured the kernel bytes' if a_ok else 'STALE BYTES'} (issue {issue_ms:.3f} ms)")
-        # b) the block is overwritten right after the store was issued: the next
-        # forward is enqueued behind the fence (what the worker's bind() does), so the
-        # store keeps the bytes the block had when it was issued
-        ctx.sync()
-        staging.payload_view(1)[:] = 0
-        spin(ctx, 300)
-        fill(9, 0x11)
-        tk = xfer.gather([9], [1])
-        xfer.fence()
-        fill(9, 0x22)
-        xfer.wait(tk)
-        ctx.sync()
-        b_ok = bool((staging.payload_view(1) == 0x11).all()) and bool((kv[names[0]][9].view(t.uint8) == 0x22).all())
-        out["overwrite_after_issue"] = {"ok": b_ok}
-        rep.line(f"   block overwritten right after the store was issued (fenced): store "
-                 f"{'kept the old bytes' if b_ok else 'GOT THE NEW BYTES'}")
+        compute.sync()
+        staged = staging.payload_view(0)
+        a_ok = bool((staged == 0x5A).all()) and bool((kv[names[0]][7].view(t.uint8) == 0).all())
+        got = "the kernel's bytes" if a_ok else (
+            "ZEROS (the later write)" if bool((staged == 0).all()) else "WRONG BYTES")
+        out["store_before_later_writes"] = {"ok": a_ok, "issue_ms": round(issue_ms, 3)}
+        rep.line(f"   device {device}: store behind a kernel writing the block, then a write of the "
+                 f"block before the step ends: staged {got} (issue {issue_ms:.3f} ms)")
+        # b) A write of a block behind a slow kernel, then the load of that block
+        # (start_load_kv's mark, the I/O thread's scatter): the loaded bytes must win.
+        staging.payload_view(1)[:] = 0xC3
+        opened = compute.hold()
+        compute.fill(kv, names, 9, 0x33)
+        mk = xfer.mark()
+        tl = xfer.scatter([1], [9], mk)
+        opened()
+        xfer.wait(tl)
+        compute.sync()
+        b_ok = all(bool((kv[nm][9].view(t.uint8) == 0xC3).all()) for nm in names)
+        out["load_after_earlier_writes"] = {"ok": b_ok}
+        rep.line(f"   device {device}: write of a block behind a kernel, then mark + scatter into it: "
+                 f"{'the loaded bytes won' if b_ok else 'THE EARLIER WRITE WON'}")
         out["ok"] = a_ok and b_ok
         return out
     finally:
-        ctx.sync()
+        compute.sync()
         xfer.close()
         staging.close()
+        compute.close()
+
+
+def sec_fail_closed(rep: Report, ctx: Ctx):
+    """Failures of the driver that the real worker must close on (stand-in only)."""
+    if not ctx.standin:
+        rep.line("   needs the driver stand-in (--device standin), which injects driver failures")
+        return {"ok": "n/a"}
+    try:
+        from kvstore.vllm.config import ConnectorConfig
+        from kvstore.vllm.metadata import KVStoreMetadata, LoadJob, StoreJob
+        from kvstore.vllm.worker import KVStoreWorker
+    except Exception as exc:
+        rep.line(f"   KVStoreWorker not importable here ({type(exc).__name__}: {exc})")
+        return {"ok": False, "error": str(exc)}
+    import ctypes
+    from kvstore.engine import DiskStore
+    from kvstore.layout import Layout, block_key
+    t = ctx.torch
+    lib = ctypes.CDLL("libcuda.so.1")
+    compute = Compute(ctx, 0)
+    cfg, names, kv, page = ctx.build_kv("bf16", "LBNHC", 8, 64)
+    ctx.randomize(kv, names)
+    lay = Layout(model="gpu-check-fail-closed", **layout_kw("bf16", names, page))
+    path = ctx.path("fail-closed")
+    cfg_c = ConnectorConfig(path=path, capacity=64 * lay.slot_size, staging_bytes=16 * lay.slot_size,
+                            io_mode=ctx.io_mode)
+    w = KVStoreWorker(cfg_c, lay, 0, kv, cfg)
+    adopt_standin(w.transfer, compute)
+    store = DiskStore(path, lay)
+    out = {}
+    try:
+        def stored(job_id):
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                wm = w.build_worker_meta()
+                if wm and job_id in wm.store_reports:
+                    return wm.store_reports[job_id]
+                time.sleep(0.005)
+            raise AssertionError(f"store job {job_id} was never reported (waited 60 s)")
+
+        # Blocks 0-7 stored for good (the load below reads them back).
+        hashes = [b"fail-closed-%02d" % i for i in range(8)]
+        refs, _ = store.reserve([block_key(h) for h in hashes])
+        slots, gens = [r.slot for r in refs], [r.generation for r in refs]
+        w.bind(KVStoreMetadata(stores=[StoreJob(0, list(range(8)), [block_key(h) for h in hashes],
+                                                slots, gens)]))
+        w.wait_for_save()
+        if list(stored(0).failed):
+            raise AssertionError(f"the good store failed: {stored(0)}")
+        store.commit(refs)
+        total = w.slots.free
+        other = [b"fail-closed-x%02d" % i for i in range(8)]
+        orefs, _ = store.reserve([block_key(h) for h in other])
+
+        # 1) A store whose gather fails after part of it was queued (the driver refused
+        # its 3rd segment) behind a busy compute stream: it is reported failed, and its
+        # staging slots stay out of the free list until the queued part ran.
+        opened = compute.hold()
+        lib.standin_fail_copy_after(2)
+        w.bind(KVStoreMetadata(stores=[StoreJob(1, list(range(8, 16)), [block_key(h) for h in other],
+                                                [r.slot for r in orefs], [r.generation for r in orefs])]))
+        w.wait_for_save()
+        held = total - w.slots.free
+        opened()
+        deadline = time.time() + 60
+        while w.slots.free < total and time.time() < deadline:
+            time.sleep(0.005)
+        back = w.slots.free == total
+        failed_all = list(stored(1).failed) == list(range(8))
+        s_ok = held == 8 and back and failed_all and w.staging_lost == 0
+        out["failed_gather"] = {"ok": s_ok, "held_while_queued": held, "returned": back,
+                                "reported_failed": failed_all}
+        rep.line(f"   failed gather: {held} of 8 staging slots held while its queued part had not run "
+                 f"(want 8), {'all back' if back else 'NOT BACK'} after it ran, store "
+                 f"{'reported failed' if failed_all else 'NOT REPORTED FAILED'}")
+
+        # 2) A load whose mark of the compute stream fails: not copied (it would be
+        # unordered against the step's own writes), reported failed (vLLM recomputes).
+        for nm in names:
+            kv[nm][32:40].view(t.uint8).fill_(0x77)
+        lib.standin_fail_event_record(0)
+        w.bind(KVStoreMetadata(loads=[LoadJob(2, "r", list(range(32, 40)), hashes, [(0, 8)], slots, gens)]))
+        w.start_load_kv()
+        done, deadline = None, time.time() + 60
+        while not done and time.time() < deadline:
+            _, done = w.get_finished(set())
+            time.sleep(0.002)
+        bad = w.get_block_ids_with_load_errors()
+        untouched = all(bool((kv[nm][32:40].view(t.uint8) == 0x77).all()) for nm in names)
+        m_ok = bool(done) and "r" in done and bad == set(range(32, 40)) and untouched
+        out["failed_mark"] = {"ok": m_ok, "reported": sorted(done or ()), "failed_blocks": sorted(bad),
+                              "blocks_untouched": untouched}
+        rep.line(f"   failed mark: load {'reported' if done else 'NOT REPORTED'}, "
+                 f"{len(bad)} of 8 blocks to recompute, KV blocks "
+                 f"{'untouched' if untouched else 'WRITTEN BY AN UNORDERED COPY'}")
+        out["ok"] = s_ok and m_ok
+        return out
+    finally:
+        lib.standin_fail_copy_after(-1)
+        lib.standin_fail_event_record(-1)
+        w.shutdown()
+        store.close()
+        compute.close()
+
+
+def sec_store_cost(rep: Report, ctx: Ctx):
+    """A prefill's store: 512 blocks of a 32-layer layer-major cache (16K segments)."""
+    if not ctx.streams:
+        rep.line("   needs streams: run --device cuda or --device standin")
+        return {"ok": "n/a"}
+    t = ctx.torch
+    from kvstore.staging import Staging
+    n, L, page = 512, 32, 2 * KIB
+    compute = Compute(ctx, 0)
+    cfg, names, kv, pg = ctx.build_kv("bf16", "LBNHC", L, n + 8, page=page)
+    staging = Staging(n, 4096 + L * pg, L * pg)
+    xfer = ctx.transfer(kv, cfg, staging, compute)
+    out = {}
+    try:
+        segs = n * xfer.engine.rows_per_block
+        issue = []
+        for _ in range(5):
+            compute.sync()
+            opened = compute.hold()
+            t0 = time.perf_counter()
+            tk = xfer.gather(list(range(n)), list(range(n)))
+            issue.append((time.perf_counter() - t0) * 1e3)
+            opened()
+            xfer.wait(tk)
+        out["segments"] = segs
+        out["issue_ms_p50"] = round(statistics.median(issue), 3)
+        out["issue_ms_max"] = round(max(issue), 3)
+        line = (f"   store of {n} blocks x {L} layers ({segs} segments): step-thread issue "
+                f"p50 {out['issue_ms_p50']:.3f} ms, max {out['issue_ms_max']:.3f} ms")
+        if ctx.cuda:
+            # How long the store holds the next forward back: a 10 ms "forward", then
+            # (or not) the store, then the next step's first kernel, timed on the stream.
+            def step(with_store):
+                e0, e1 = t.cuda.Event(enable_timing=True), t.cuda.Event(enable_timing=True)
+                e0.record()
+                spin(ctx, 10)
+                tk = xfer.gather(list(range(n)), list(range(n))) if with_store else 0
+                spin(ctx, 0.01)
+                e1.record()
+                ctx.sync()
+                xfer.wait(tk)
+                return e0.elapsed_time(e1)
+            alone = statistics.median([step(False) for _ in range(5)])
+            stored = statistics.median([step(True) for _ in range(5)])
+            out["forward_wait_ms"] = round(stored - alone, 3)
+            out["step_ms_alone"], out["step_ms_with_store"] = round(alone, 3), round(stored, 3)
+            line += (f"; the next forward starts {out['forward_wait_ms']:.3f} ms later "
+                     f"({alone:.2f} -> {stored:.2f} ms per 10 ms step)")
+        else:
+            line += "; forward wait: n/a (the stand-in's timing says nothing about a GPU)"
+        rep.line(line)
+        out["target_issue_ms"] = 1.0
+        out["ok"] = out["issue_ms_p50"] < 1.0
+        return out
+    finally:
+        compute.sync()
+        xfer.close()
+        staging.close()
+        compute.close()
 
 
 def sec_step_thread(rep: Report, ctx: Ctx):
@@ -759,16 +1073,14 @@ def sec_step_thread(rep: Report, ctx: Ctx):
             spin(ctx, 300)
         t0 = time.perf_counter()
         tk = xfer.gather(list(range(64)), list(range(64)))          # wait_for_save's work
-        t1 = time.perf_counter()
-        xfer.fence()                                                 # bind's work
-        t2 = time.perf_counter()
+        t1 = t2 = time.perf_counter()
         mk = xfer.mark()                                             # start_load_kv's work
         t3 = time.perf_counter()
         busy = not xfer.engine.done(tk)                              # get_finished's poll
         t4 = time.perf_counter()
         xfer.release(mk)
         xfer.wait(tk)
-        prim = {"gather_ms": (t1 - t0) * 1e3, "fence_ms": (t2 - t1) * 1e3, "mark_ms": (t3 - t2) * 1e3,
+        prim = {"gather_ms": (t1 - t0) * 1e3, "mark_ms": (t3 - t2) * 1e3,
                 "poll_ms": (t4 - t3) * 1e3, "copy_was_pending": busy}
         out["primitives"] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in prim.items()}
         # On CPU the step thread does the memcpy itself (no device to hand it to): the
@@ -1059,13 +1371,21 @@ def sec_memory(rep: Report, ctx: Ctx):
         st.close()
 
 
-SECTIONS = [("roundtrip", sec_roundtrip), ("hybrid", sec_hybrid), ("ordering", sec_ordering),
-            ("step_thread", sec_step_thread), ("bandwidth", sec_bandwidth), ("compute", sec_compute),
-            ("memory", sec_memory)]
+# (name, function, performance?)
+SECTIONS = [("roundtrip", sec_roundtrip, False), ("hybrid", sec_hybrid, False),
+            ("ordering", sec_ordering, False), ("fail_closed", sec_fail_closed, False),
+            ("memory", sec_memory, False), ("step_thread", sec_step_thread, True),
+            ("store_cost", sec_store_cost, True), ("bandwidth", sec_bandwidth, True),
+            ("compute", sec_compute, True)]
+# What the driver stand-in can show: the stream sections (the others need real memory
+# copies between devices, or run on --device cpu already).
+STANDIN_SECTIONS = {"ordering", "fail_closed", "store_cost"}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.device == "standin":
+        use_standin(sys.argv[1:] if argv is None else argv)
     t0 = time.time()
     bundle = use_bundle(args.bundle)
     rep = Report()
@@ -1075,12 +1395,19 @@ def main(argv=None) -> int:
     rep.section("env", sec_env, ctx, bundle)
     only = set(args.only.split(",")) if args.only else None
     if rep.data["sections"]["env"]["ok"] is True:
-        for name, fn in SECTIONS:
+        for name, fn, perf in SECTIONS:
+            if ctx.standin and name not in STANDIN_SECTIONS:
+                continue
             if only is None or name in only:
-                rep.section(name, fn, ctx)
+                rep.section(name, fn, ctx, perf=perf)
     rep.data["total_seconds"] = round(time.time() - t0, 1)
     rep.line(f"total {rep.data['total_seconds']} s")
-    rep.line("RESULT: " + ("PASS" if rep.ok else "FAIL"))
+    correct = [n for n, r in rep.data["sections"].items() if r.get("kind") == "correctness"]
+    rep.line("RESULT: " + ("PASS" if rep.ok else "FAIL") + f" (correctness: {', '.join(correct)})")
+    if rep.perf:
+        rep.line("PERFORMANCE: " + ", ".join(
+            f"{n} {'met' if ok is True else 'n/a' if ok == 'n/a' else 'MISSED'}" for n, ok in rep.perf.items())
+            + " (targets in each section; not part of RESULT)")
     rep.write(args.out)
     return 0 if rep.ok else 1
 

@@ -38,8 +38,6 @@ cdef class CopyEngine:
         bint ctx_retained
         CUstream streams[2]
         CUevent ready
-        CUevent fence_ev
-        bint fence_needed
         CUevent *events
         char *busy
         int nevents

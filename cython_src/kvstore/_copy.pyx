@@ -11,11 +11,20 @@ backends:
 - CUDA: `cuMemcpyBatchAsync` (one driver call per batch; one `cuMemcpyAsync` per segment
   where the driver predates CUDA 12.8) straight between the KV cache and the pinned
   staging payloads that io_uring writes from and reads into: no host copy between GPU
-  and NVMe. Stores run on one low-priority stream, loads on another; a store first waits
+  and NVMe. Stores run on one low-priority stream, loads on another. A store waits
   (GPU-side) for an event recorded on the compute stream, so it captures what the
-  forward wrote and nothing later; its event is what the I/O thread waits for before
-  the slot goes to disk. Events use blocking sync (a waiting thread sleeps, it does not
-  spin a core), and only the I/O thread ever waits: the step thread only enqueues.
+  forward wrote, and the compute stream waits (GPU-side) for the store before anything
+  enqueued after it, so nothing vLLM enqueues later (zeroing a reallocated block, a
+  copy-on-write, the next forward) can change a block before it is copied. A load waits
+  for a `mark()` of the compute stream. The store's event is what the I/O thread waits
+  for before the slot goes to disk. Events use blocking sync (a waiting thread sleeps, it
+  does not spin a core), and only the I/O thread ever waits: the step thread only
+  enqueues.
+
+Failures close: a copy call that fails raises `CopyError`, whose `ticket` says when the
+memory it touched is safe to reuse (0: now; > 0: once `wait(ticket)` returned; -1:
+never, the driver's state is unknown), since a failed batch may have queued some of
+its segments.
 
 Never allocates device memory, never calls torch, never holds Python objects in nogil
 sections. Lifecycle: `close()` is idempotent (streams drained, events and streams
@@ -44,6 +53,17 @@ cdef enum:
 
 STORE = TO_STAGING
 LOAD = TO_KV
+
+
+class CopyError(KVStoreError):
+    """A copy could not be issued (or not ordered). `ticket` says when the memory the
+    copy touched (staging slots, KV blocks) may be reused: 0 now (nothing of the copy is
+    queued), > 0 once `wait(ticket)` returned (part of it may be queued), -1 never (the
+    driver's state is unknown)."""
+
+    def __init__(self, msg, ticket=0):
+        super().__init__(msg)
+        self.ticket = ticket
 
 
 cdef int _grow(SegBuf *s, size_t need) except -1:
@@ -107,12 +127,11 @@ cdef class CopyEngine:
     ordinal of the KV cache (asynchronous DMA; the staging memory must be pinned).
 
     CUDA contract: `store()` is called on the step thread after the forward that wrote
-    the blocks was enqueued on `compute_stream`; it returns a ticket at once. `wait()`
-    (I/O thread) blocks until the copy is in staging. `load()` (I/O thread) returns a
-    ticket; the load is done when `wait()` returns. `fence(compute_stream)` makes the
-    compute stream wait, GPU-side, for every store issued so far (before vLLM may reuse
-    a gathered block). Tickets are CUDA events from a bounded pool, each waited exactly
-    once.
+    the blocks was enqueued on `compute_stream`; it returns a ticket at once, and the
+    compute stream's later work waits (GPU-side) for the copy. `wait()` (I/O thread)
+    blocks until the copy is in staging. `load()` (I/O thread) returns a ticket; the
+    load is done when `wait()` returns. Tickets are CUDA events from a bounded pool,
+    each waited (or released) exactly once.
     """
 
     def __cinit__(self):
@@ -126,7 +145,6 @@ cdef class CopyEngine:
         self.streams[0] = NULL
         self.streams[1] = NULL
         self.ready = NULL
-        self.fence_ev = NULL
         for d in range(2):
             self.segs[d].src = NULL
             self.segs[d].dst = NULL
@@ -208,7 +226,6 @@ cdef class CopyEngine:
                 cuda_check(self.drv.cuStreamCreateWithPriority(&self.streams[d], CU_STREAM_NON_BLOCKING, least),
                            "cuStreamCreateWithPriority")
             cuda_check(self.drv.cuEventCreate(&self.ready, CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-            cuda_check(self.drv.cuEventCreate(&self.fence_ev, CU_EVENT_DISABLE_TIMING), "cuEventCreate")
         except BaseException:
             self.close()
             raise
@@ -232,9 +249,6 @@ cdef class CopyEngine:
             if self.ready != NULL:
                 self.drv.cuEventDestroy(self.ready)
                 self.ready = NULL
-            if self.fence_ev != NULL:
-                self.drv.cuEventDestroy(self.fence_ev)
-                self.fence_ev = NULL
             for i in range(2):
                 if self.streams[i] != NULL:
                     self.drv.cuStreamDestroy(self.streams[i])
@@ -347,10 +361,15 @@ cdef class CopyEngine:
         """Copy blocks[i] of the KV cache into staging slot slots[i].
 
         CPU: done on return (returns 0). CUDA: ordered after the work enqueued so far on
-        `compute_stream` (the raw CUstream of the forward pass), returns a ticket for
-        `wait()` at once; the step thread never waits for the GPU here.
+        `compute_stream` (the raw CUstream of the forward pass), and the work enqueued on
+        it afterwards is ordered after the copy (the fence: a gathered block is not
+        written again before it is copied, whoever writes it next on that stream).
+        Returns a ticket for `wait()` at once; the step thread never waits for the GPU
+        here. Raises CopyError (see its `ticket`) when the copy or its fence cannot be
+        issued.
         """
         cdef int ticket = 0
+        cdef CUresult rc
         with self.locks[TO_STAGING]:
             self._plan(TO_STAGING, blocks, slots)
             if self.segs[TO_STAGING].n == 0:
@@ -358,16 +377,31 @@ cdef class CopyEngine:
             if self.device < 0:
                 self._issue(TO_STAGING)
                 return 0
-            self._bind()
-            cuda_check(self.drv.cuEventRecord(self.ready, <CUstream>compute_stream),
-                       "cuEventRecord(compute stream)")
-            cuda_check(self.drv.cuStreamWaitEvent(self.streams[TO_STAGING], self.ready, 0),
-                       "cuStreamWaitEvent(store stream)")
-            self._issue(TO_STAGING)
-            ticket = self._take_event()
-            cuda_check(self.drv.cuEventRecord(self.events[ticket - 1], self.streams[TO_STAGING]),
-                       "cuEventRecord(store stream)")
-            self.fence_needed = True
+            try:
+                self._bind()
+                ticket = self._take_event()
+                cuda_check(self.drv.cuEventRecord(self.ready, <CUstream>compute_stream),
+                           "cuEventRecord(compute stream)")
+                cuda_check(self.drv.cuStreamWaitEvent(self.streams[TO_STAGING], self.ready, 0),
+                           "cuStreamWaitEvent(store stream)")
+            except Exception as exc:        # nothing of this copy is queued
+                self.release(ticket)
+                raise CopyError(f"store not issued: {exc}", 0) from exc
+            try:
+                self._issue(TO_STAGING)
+                cuda_check(self.drv.cuEventRecord(self.events[ticket - 1], self.streams[TO_STAGING]),
+                           "cuEventRecord(store stream)")
+            except Exception as exc:
+                raise self._failed(TO_STAGING, exc, ticket) from exc
+            rc = self.drv.cuStreamWaitEvent(<CUstream>compute_stream, self.events[ticket - 1], 0)
+            if rc != CUDA_SUCCESS:
+                # The copy is queued but nothing keeps the compute stream from writing
+                # its blocks first: the staged bytes cannot be trusted.
+                try:
+                    cuda_check(rc, "cuStreamWaitEvent(compute stream behind the store)")
+                except Exception as exc:
+                    raise CopyError(f"store not ordered before the compute stream's next "
+                                    f"work: {exc}", ticket) from exc
             return ticket
 
     def load(self, slots, blocks, int after=0):
@@ -378,51 +412,55 @@ cdef class CopyEngine:
         bytes once `wait(ticket)` returned.
         """
         cdef int ticket = 0
+        cdef CUresult rc
         with self.locks[TO_KV]:
             self._plan(TO_KV, blocks, slots)
             if self.device < 0:
                 if self.segs[TO_KV].n:
                     self._issue(TO_KV)
                 return 0
-            self._bind()
-            if after:
-                cuda_check(self.drv.cuStreamWaitEvent(self.streams[TO_KV], self._event_of(after), 0),
-                           "cuStreamWaitEvent(load stream)")
+            try:
+                self._bind()
+                if after:
+                    cuda_check(self.drv.cuStreamWaitEvent(self.streams[TO_KV], self._event_of(after), 0),
+                               "cuStreamWaitEvent(load stream)")
+                if self.segs[TO_KV].n:
+                    ticket = self._take_event()
+            except Exception as exc:        # nothing of this copy is queued
+                raise CopyError(f"load not ordered after the compute stream: {exc}", 0) from exc
+            finally:
                 self.release(after)
             if self.segs[TO_KV].n == 0:
                 return 0
-            self._issue(TO_KV)
-            ticket = self._take_event()
-            cuda_check(self.drv.cuEventRecord(self.events[ticket - 1], self.streams[TO_KV]),
-                       "cuEventRecord(load stream)")
+            try:
+                self._issue(TO_KV)
+                cuda_check(self.drv.cuEventRecord(self.events[ticket - 1], self.streams[TO_KV]),
+                           "cuEventRecord(load stream)")
+            except Exception as exc:
+                raise self._failed(TO_KV, exc, ticket) from exc
             return ticket
 
     def mark(self, uintptr_t compute_stream=0):
         """A ticket for the work enqueued so far on `compute_stream` (0 on CPU): a load
-        given it as `after` does not start before that work is done."""
-        cdef int ticket
+        given it as `after` does not start before that work is done. Raises CopyError
+        when the mark cannot be made (a load must then not run: it would be unordered)."""
+        cdef int ticket = 0
+        cdef CUresult rc
         if self.device < 0:
             return 0
         self._check()
-        self._bind()
-        ticket = self._take_event()
-        cuda_check(self.drv.cuEventRecord(self.events[ticket - 1], <CUstream>compute_stream),
-                   "cuEventRecord(compute stream)")
-        return ticket
-
-    def fence(self, uintptr_t compute_stream=0):
-        """Make the compute stream wait (GPU-side, the host does not) for every store
-        issued so far: a gathered block cannot be overwritten before it is copied."""
-        if self.device < 0 or self.is_closed:
-            return
-        with self.locks[TO_STAGING]:
-            if not self.fence_needed:
-                return
+        try:
             self._bind()
-            cuda_check(self.drv.cuEventRecord(self.fence_ev, self.streams[TO_STAGING]), "cuEventRecord(fence)")
-            cuda_check(self.drv.cuStreamWaitEvent(<CUstream>compute_stream, self.fence_ev, 0),
-                       "cuStreamWaitEvent(compute stream)")
-            self.fence_needed = False
+            ticket = self._take_event()
+            rc = self.drv.cuEventRecord(self.events[ticket - 1], <CUstream>compute_stream)
+            if rc != CUDA_SUCCESS:
+                self.release(ticket)
+                cuda_check(rc, "cuEventRecord(compute stream)")
+        except CopyError:
+            raise
+        except Exception as exc:
+            raise CopyError(f"cannot mark the compute stream: {exc}", 0) from exc
+        return ticket
 
     def wait(self, int ticket):
         """Block this thread (sleeping, GIL released) until the copy of `ticket` is done,
@@ -472,6 +510,27 @@ cdef class CopyEngine:
             cuda_check(rc, "cuStreamSynchronize")
 
     # -- internals ------------------------------------------------------------------
+    def _failed(self, int direction, exc, int ticket):
+        """The CopyError for a copy that failed after its first segment may have been
+        queued on `direction`'s stream (`ticket`: the copy's own, taken before it was
+        issued): with the ticket recorded behind whatever was queued, the memory it
+        touches is safe once it is waited; else the stream drained (loads: the I/O thread
+        may wait), else -1."""
+        cdef CUresult rc
+        cdef CUstream stream = self.streams[direction]
+        what = "store" if direction == TO_STAGING else "load"
+        rc = self.drv.cuEventRecord(self.events[ticket - 1], stream)
+        if rc == CUDA_SUCCESS:
+            return CopyError(f"{what} failed: {exc}; its memory is in use until ticket "
+                             f"{ticket} is waited", ticket)
+        self.release(ticket)
+        if direction == TO_KV:
+            with nogil:
+                rc = self.drv.cuStreamSynchronize(stream)
+            if rc == CUDA_SUCCESS:
+                return CopyError(f"{what} failed: {exc}", 0)
+        return CopyError(f"{what} failed and the copy stream's state is unknown: {exc}", -1)
+
     cdef int _bind(self) except -1:
         return cuda_check(self.drv.cuCtxSetCurrent(self.ctx), f"cuCtxSetCurrent(device {self.device})")
 

@@ -5,12 +5,16 @@ Owns one TP rank's slot files, io_uring ring and staging memory (through
 device<->staging copies (`kvstore.transfer.KVTransfer`) and one I/O thread that is the
 only user of the ring and sets the rank's device first. Stores are enqueued as copies out
 of the KV cache within the step that computed them (`wait_for_save`, which never waits
-for the GPU; the next step's forward is fenced behind them), then written and made
-durable in the background once the copy is done; loads are read, verified and copied
-into the KV cache in the background and reported through `get_finished` only after
-their copy completed. Any failure becomes a per-block report (the
-scheduler drops the entry; vLLM recomputes the block); nothing raises into the engine
-and nothing waits forever (loads time out after `load_timeout_s`).
+for the GPU; whatever vLLM enqueues on the compute stream afterwards, from zeroing a
+reallocated block to the next forward, is ordered behind the copy), then written and
+made durable in the background once the copy is done; loads are read, verified and
+copied into the KV cache in the background, ordered after the step that scheduled them,
+and reported through `get_finished` only after their copy completed. Any failure
+becomes a per-block report (the scheduler drops the entry; vLLM recomputes the block);
+nothing raises into the engine and nothing waits forever (loads time out after
+`load_timeout_s`). Failures close: a load whose order behind the compute stream cannot
+be set up is recomputed, and staging a failed copy may still touch is given back only
+once that copy is done (or never, when the driver cannot say).
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from kvstore.engine import ensure_store
 from kvstore.errors import KVStoreError
 from kvstore.rankio import RankIO, SlotRefs
 from kvstore.threads import make_thread
-from kvstore.transfer import KVTransfer, check_groups_alias
+from kvstore.transfer import CopyError, KVTransfer, check_groups_alias
 from kvstore.vllm.config import ConnectorConfig, carrier_group
 from kvstore.vllm.metadata import (KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob, StoreReport,
                                    load_keys, store_keys)
@@ -108,6 +112,7 @@ class KVStoreWorker:
         self.load_busy_s = 0.0          # I/O thread time spent on loads (for throughput)
         self.loaded_bytes_total = 0
         self._reported_devices: set[int] = set()   # failed devices already reported
+        self.staging_lost = 0           # staging slots a failed copy may still write: never reused
         self._io_reported = self.io.io_bytes.copy()  # per device [read, written] reported
         self._errors_reported = self.io.io_errors.copy()   # per device failed ops reported
         self._thread = make_thread(self._run, f"kvstore-io-rank{rank}", cfg.thread_cpus,
@@ -120,22 +125,17 @@ class KVStoreWorker:
         # it; remember which of its jobs this rank already started instead.
         self._meta = meta
         self._started_jobs: set[int] = set()
-        # The previous step's gathers must finish (GPU-side) before this step's forward
-        # may overwrite a block they read.
-        try:
-            self.transfer.fence()
-        except Exception as exc:   # never raise into the engine while serving
-            log.warning("kvstore rank %d: fencing the compute stream behind the stores "
-                        "failed: %s", self.rank, exc)
 
-    def _mark(self) -> int:
-        """A copy ticket for the compute stream's work so far (0 on CPU, or on error: the
-        load then just is not ordered behind this step)."""
+    def _mark(self) -> int | None:
+        """A copy ticket for the compute stream's work so far (0 on CPU); None when it
+        cannot be made: a load not ordered behind this step could be overwritten by it
+        (or overwrite what it computes), so the load is not run."""
         try:
             return self.transfer.mark()
         except Exception as exc:
-            log.warning("kvstore rank %d: marking the compute stream failed: %s", self.rank, exc)
-            return 0
+            log.warning("kvstore rank %d: marking the compute stream failed (%s); the "
+                        "step's loads are recomputed", self.rank, exc)
+            return None
 
     def start_load_kv(self) -> None:
         meta = self._meta
@@ -145,11 +145,12 @@ class KVStoreWorker:
             if job.job_id in self._started_jobs:
                 continue
             self._started_jobs.add(job.job_id)
-            st = _LoadState(job, time.monotonic(), after=self._mark())
+            after = None if job.unavailable else self._mark()
+            st = _LoadState(job, time.monotonic(), after=after or 0)
             with self._lock:
                 self._loads[job.req_id] = st
-            if job.unavailable:     # the scheduler could not plan it: recompute, no I/O
-                st.io_failed.update(range(len(job.slots)))
+            if after is None:       # not planned by the scheduler, or not orderable:
+                st.io_failed.update(range(len(job.slots)))   # recompute, no I/O
                 self._finish_load(st)
                 continue
             self._put(0, ("load", st))
@@ -177,11 +178,25 @@ class KVStoreWorker:
         try:
             ticket = self.transfer.gather(job.block_ids[:k], stage)
         except Exception as exc:
-            self.slots.give(stage)
             log.warning("kvstore rank %d: gather for store failed: %s", self.rank, exc)
             self._report_store(job.job_id, list(range(n)))
+            self._give_after(stage, exc.ticket if isinstance(exc, CopyError) else 0)
             return
         self._put(1, ("store", job, stage, ticket, dropped))
+
+    def _give_after(self, stage: list[int], ticket: int) -> None:
+        """Return staging slots a failed copy may still write: at once (0), by the I/O
+        thread once the copy's ticket completed (> 0), or never (-1: the driver cannot
+        say when; reusing them could put another copy's bytes under a valid checksum)."""
+        if ticket == 0:
+            self.slots.give(stage)
+        elif ticket > 0:
+            self._put(1, ("release", stage, ticket))
+        else:
+            self.staging_lost += len(stage)
+            log.error("kvstore rank %d: %d staging slots are held for good after a failed "
+                      "copy (%d in all); restart the engine to get them back", self.rank,
+                      len(stage), self.staging_lost)
 
     def _put(self, priority: int, item) -> None:
         with self._lock:
@@ -227,6 +242,8 @@ class KVStoreWorker:
             try:
                 if item[0] == "store":
                     self._do_store(*item[1:])
+                elif item[0] == "release":
+                    self._release_staging(*item[1:])
                 else:
                     states = self._more_loads([item[1]])
                     jobs = len(states)
@@ -237,15 +254,15 @@ class KVStoreWorker:
                 with self._lock:
                     self._outstanding -= jobs
 
-    def _next_queued(self, kind: str):
-        """The job at the head of the queue if it is a `kind` job (taken), else None (the
-        head, a job of another kind or the shutdown mark, keeps its place)."""
+    def _next_queued(self, *kinds: str):
+        """The job at the head of the queue if it is of one of `kinds` (taken), else None
+        (the head, a job of another kind or the shutdown mark, keeps its place)."""
         try:
             entry = self._jobs.get_nowait()
         except queue.Empty:
             return None
         item = entry[2]
-        if item is None or item[0] != kind:
+        if item is None or item[0] not in kinds:
             self._jobs.put(entry)   # same (priority, sequence): its place is kept
             return None
         return item
@@ -261,14 +278,28 @@ class KVStoreWorker:
         return states
 
     def _run_queued_stores(self) -> None:
-        """Run the store jobs queued now (loads come first in the queue, so what follows
-        the loads in hand are stores); a load or the shutdown mark stays queued."""
-        while (item := self._next_queued("store")) is not None:
+        """Run the store jobs (and staging releases) queued now (loads come first in the
+        queue, so what follows the loads in hand are these); a load or the shutdown mark
+        stays queued."""
+        while (item := self._next_queued("store", "release")) is not None:
             try:
-                self._do_store(*item[1:])
+                if item[0] == "release":
+                    self._release_staging(*item[1:])
+                else:
+                    self._do_store(*item[1:])
             finally:
                 with self._lock:
                     self._outstanding -= 1
+
+    def _release_staging(self, stage: list[int], ticket: int) -> None:
+        try:
+            self.transfer.wait(ticket)
+        except Exception as exc:
+            self.staging_lost += len(stage)
+            log.error("kvstore rank %d: a failed copy did not complete (%s); %d staging "
+                      "slots are held for good", self.rank, exc, len(stage))
+            return
+        self.slots.give(stage)
 
     def _do_store(self, job: StoreJob, stage: list[int], ticket: int, dropped: list[int]) -> None:
         refs: list = []
@@ -378,6 +409,8 @@ class KVStoreWorker:
                 if second:
                     areas.append(second)
 
+        unsafe = [False]     # a failed scatter may still read staging: keep it
+
         def consume(start, stop, stage, errors):
             groups: dict[int, tuple] = {}
             for j, e in enumerate(errors):
@@ -400,7 +433,18 @@ class KVStoreWorker:
                         st.cancelled = True
                     if not st.cancelled and stage_ids:   # timed out: vLLM recomputes, hands off
                         after, st.after = st.after, 0
-                        self.transfer.wait(self.transfer.scatter(stage_ids, block_ids, after))
+                        try:
+                            ticket = self.transfer.scatter(stage_ids, block_ids, after)
+                        except CopyError as exc:
+                            # What the failed scatter queued must land before its blocks
+                            # go back to vLLM (recomputed) and its staging to the next
+                            # read; the pass then fails, and vLLM recomputes.
+                            if exc.ticket > 0:
+                                self.transfer.wait(exc.ticket)
+                            elif exc.ticket < 0:
+                                unsafe[0] = True
+                            raise
+                        self.transfer.wait(ticket)
                 st.left -= count[0]
                 if st.left == 0:
                     self._finish_load(st)
@@ -421,7 +465,10 @@ class KVStoreWorker:
                             "them", self.rank, len(states), exc)
             finally:
                 for area in areas:
-                    self.slots.give(area)
+                    if unsafe[0]:
+                        self.staging_lost += len(area)
+                    else:
+                        self.slots.give(area)
         self._release_unused_tickets(states)
         for st in states:
             if st.left:     # not reported from consume: no staging, or the read raised
