@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # Build what tools/gpu_check.py needs on the lent GPU machine, which has no network and
-# runs its own python3 (3.12 on the nvidia-h200 image, with torch, numpy and xxhash,
-# without the `liburing` binding, lmdb or vLLM): kvstore's extensions built for that
-# Python, and the liburing binding and lmdb built for it, in one folder to carry.
+# runs its own python3 (with torch and numpy, without the `liburing` binding, lmdb or
+# vLLM): kvstore's extensions built for that Python, and the liburing binding and lmdb
+# built for it, in one folder to carry.
 #
 #   tools/gpu_bundle.sh [PYTHON] [OUTDIR]     (defaults: python3.12, .gpu)
 #
-# Then, on the device machine:  python3 tools/gpu_check.py --bundle .gpu --out $OUT
-# (carry [".gpu"]). `.gpu/` is in .gitignore, so it never gets committed.
+# Then, on the device machine:  tools/gpu_run.sh $OUT   (carry [".gpu"]; docs/gpu.md) `.gpu/` is in .gitignore, so it never gets committed.
 set -euo pipefail
 PY=${1:-python3.12}
 OUT=${2:-.gpu}

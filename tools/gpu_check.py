@@ -98,6 +98,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-blocks", type=int, default=None,
                     help="largest block count of the bandwidth sweep (default 1024 on cuda, 64 on cpu)")
     ap.add_argument("--rounds", type=int, default=100, help="store+load rounds of the memory check")
+    ap.add_argument("--probe", action="store_true",
+                    help="only probe io_uring: one block written and read back through kvstore's "
+                         "ring with O_DIRECT (the first step on a lent machine; exit 0 if it works)")
     ap.add_argument("--only", default=None,
                     help="comma-separated sections to run (env always runs)")
     return ap.parse_args(argv)
@@ -429,6 +432,50 @@ def spin(ctx, ms: float):
         ctx.sync()
         ctx._cycles_per_ms = 10_000_000 / max(e0.elapsed_time(e1), 1e-3)
     t.cuda._sleep(int(ms * ctx._cycles_per_ms))
+
+
+def io_uring_probe(directory: str | None) -> int:
+    """One block written and read back through kvstore's io_uring path (O_DIRECT, then
+    the page cache), before anything needs the GPU: a sandbox whose io_uring is partial
+    (gVisor) fails here in seconds, with the error, instead of mid-check."""
+    import platform as _pf
+    print(f"io_uring probe: kernel {_pf.release()}, python {_pf.python_version()}", flush=True)
+    from kvstore.engine import DiskStore
+    from kvstore.layout import Layout
+    from kvstore.rankio import RankIO
+    from kvstore.staging import Staging
+    lay = Layout(model="io-uring-probe", dtype="bfloat16", block_size=16, block_bytes=64 * KIB,
+                 num_layers=1, num_kv_heads=8, head_dim=128, kv_layout="pages:NHD")
+    ok = False
+    for mode in ("direct", "page_cache"):
+        tmp = tempfile.mkdtemp(prefix="kvstore-probe-", dir=directory)
+        st = rio = staging = None
+        try:
+            st = DiskStore.create(os.path.join(tmp, "s"), lay, 4 * lay.slot_size, io_mode=mode)
+            staging = Staging(2, lay.slot_size, lay.block_bytes)
+            rio = RankIO(os.path.join(tmp, "s"), 0, layout=lay, io_mode=mode, staging=staging)
+            staging.payload_view(0)[:] = 0xA5
+            refs, _ = st.reserve([b"probe"])
+            werr = rio.write_staged(refs, [0])
+            rerr = rio.read_staged(refs, [1])
+            same = bool((staging.payload_view(1) == 0xA5).all())
+            good = not any(werr) and not any(rerr) and same
+            print(f"   {mode}: {'ok' if good else 'FAILED'} (write {werr}, read {rerr}, bytes "
+                  f"{'identical' if same else 'DIFFER'})", flush=True)
+            ok |= good
+            if good and mode == "direct":
+                break
+        except Exception as exc:
+            print(f"   {mode}: FAILED: {type(exc).__name__}: {exc}", flush=True)
+        finally:
+            for o in (rio, staging, st):
+                if o is not None:
+                    o.close()
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+    print("io_uring probe: " + ("PASS" if ok else "FAIL (kvstore cannot do I/O on this machine; "
+                                "use an nvidia-h100-x1 machine, see docs/gpu.md)"), flush=True)
+    return 0 if ok else 1
 
 
 # -- sections ------------------------------------------------------------------------
@@ -1388,6 +1435,8 @@ def main(argv=None) -> int:
         use_standin(sys.argv[1:] if argv is None else argv)
     t0 = time.time()
     bundle = use_bundle(args.bundle)
+    if args.probe:
+        return io_uring_probe(args.dir)
     rep = Report()
     rep.line(f"kvstore gpu_check --device {args.device}  ({time.strftime('%Y-%m-%d %H:%M:%S %Z')})")
     ctx = Ctx(args)
