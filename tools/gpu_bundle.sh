@@ -6,7 +6,8 @@
 #
 #   tools/gpu_bundle.sh [PYTHON] [OUTDIR]     (defaults: python3.12, .gpu)
 #
-# Then, on the device machine:  tools/gpu_run.sh $OUT   (carry [".gpu"]; docs/gpu.md) `.gpu/` is in .gitignore, so it never gets committed.
+# Then, on the device machine:  tools/gpu_run.sh $OUT   (carry [".gpu"]; docs/gpu.md).
+# `.gpu/` is in .gitignore, so it never gets committed.
 set -euo pipefail
 PY=${1:-python3.12}
 OUT=${2:-.gpu}
