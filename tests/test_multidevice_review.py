@@ -8,6 +8,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from kvstore.engine import DiskStore, SlotRef, probe_data_dir
 from kvstore.layout import Layout
