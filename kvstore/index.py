@@ -21,7 +21,7 @@ db           key                         value
 Every slot is in exactly one of three states: *used* (a row in keys/slots/lru), *free*
 (a row in ``free``, or ``>= meta.high_water``; the latter makes creating a 10M-slot index
 O(1)) or *reserved* (a row in ``reserved``: handed to an in-flight store, not yet
-committed). ``used + free + reserved == capacity`` always; `check_consistency` verifies it.
+committed). ``used + free + reserved == capacity`` always; `Index.check_consistency` verifies it.
 
 Several writers: every engine attached to the store (`kvstore.shared`) writes through its
 own `Index`; LMDB serializes their write transactions. A reservation made with `owner` set
@@ -1373,10 +1373,64 @@ class Index:
     # ------------------------------------------------------------------ maintenance
 
     def check_consistency(self) -> list[str]:
-        """Full-scan invariant check (fsck and tests); see `kvstore.index_maint.check_consistency`.
-        Imported on call: the serving path never loads the maintenance module."""
-        from kvstore.index_maint import check_consistency
-        return check_consistency(self)
+        """Full scan of one snapshot; returns a description of every broken invariant
+        (empty list = consistent). O(entries): for fsck and tests, not the serving path."""
+        problems: list[str] = []
+        with self._read() as txn:
+            cap = self._capacity
+            hw = self._get(txn, b"high_water")
+            tick = self._get(txn, b"tick")
+            gen = self._get(txn, b"generation")
+            if hw > cap:
+                problems.append(f"high_water {hw} > capacity {cap}")
+            owner: dict[int, str] = {}
+
+            def claim(slot: int, what: str) -> None:
+                if not 0 <= slot < cap:
+                    problems.append(f"{what}: slot {slot} outside [0, {cap})")
+                elif slot >= hw:
+                    problems.append(f"{what}: slot {slot} >= high_water {hw}")
+                if slot in owner:
+                    problems.append(f"slot {slot} is both {owner[slot]} and {what}")
+                else:
+                    owner[slot] = what
+
+            lru_expected = set()
+            for k, v in txn.cursor(db=self._keys):
+                s, g, t = _VAL.unpack(v)
+                claim(s, f"used by key {k.hex()}")
+                if txn.get(_U32.pack(s), db=self._slots) != k:
+                    problems.append(f"slots[{s}] does not point back at key {k.hex()}")
+                if t > tick:
+                    problems.append(f"key {k.hex()} tick {t} > meta tick {tick}")
+                if g > gen:
+                    problems.append(f"key {k.hex()} generation {g} > meta generation {gen}")
+                lru_expected.add(_LRU.pack(t, s))
+            n_slots = txn.stat(self._slots)["entries"]
+            n_keys = txn.stat(self._keys)["entries"]
+            if n_slots != n_keys:
+                problems.append(f"slots db has {n_slots} rows, keys db {n_keys}")
+            lru_rows = set(txn.cursor(db=self._lru).iternext(keys=True, values=False))
+            if lru_rows != lru_expected:
+                problems.append(f"lru has {len(lru_rows - lru_expected)} rows without an entry "
+                                f"and misses {len(lru_expected - lru_rows)} entries")
+            for sk in txn.cursor(db=self._free).iternext(keys=True, values=False):
+                claim(_U32.unpack(sk)[0], "free")
+            for sk, v in txn.cursor(db=self._reserved):
+                claim(_U32.unpack(sk)[0], "reserved")
+                if _U64.unpack_from(v)[0] > gen:
+                    problems.append(f"reservation of slot {_U32.unpack(sk)[0]} has generation "
+                                    f"> meta generation {gen}")
+            if len(owner) != hw:
+                problems.append(f"used + free + reserved below high_water = {len(owner)}, "
+                                f"expected {hw} (slots lost or counted twice)")
+            if self._owned is not None:
+                # an engine's reservation names its owner (`owned`): a row whose slot is not
+                # reserved would make that owner's reclaim free somebody else's reservation
+                for ok in txn.cursor(db=self._owned).iternext(keys=True, values=False):
+                    if len(ok) != 16 or txn.get(bytes(ok[12:]), db=self._reserved) is None:
+                        problems.append(f"owned row {bytes(ok).hex()} names a slot that is not reserved")
+        return problems
 
 
 class _FencedOrPinned:

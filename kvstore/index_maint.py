@@ -1,7 +1,6 @@
 """Index maintenance: what only fsck, `--rebuild-index` and benchmarks use.
 
-Snapshots over every database (`snapshot`, `IndexSnapshot`), the full invariant check
-(`check_consistency`), bulk loading of an empty index (`bulk_load`) and the rebuild that
+Snapshots over every database (`snapshot`, `IndexSnapshot`), bulk loading of an empty index (`bulk_load`) and the rebuild that
 swaps a new index in (`rebuild_index`). The serving path (`kvstore.index.Index`, the
 scheduler's `kvstore.serving_index.ServingIndex`) never imports this module: everything here is
 O(entries) and reads the index's databases directly.
@@ -17,7 +16,7 @@ import lmdb
 from kvstore.errors import KVStoreError
 from kvstore.index import _LRU, _U32, _U64, _VAL, Entry, Index, _entry
 
-__all__ = ["IndexSnapshot", "bulk_load", "check_consistency", "rebuild_index", "snapshot"]
+__all__ = ["IndexSnapshot", "bulk_load", "rebuild_index", "snapshot"]
 
 
 def bulk_load(ix: Index, entries: Iterable[tuple[bytes, int, int]], *, keys_sorted: bool = False,
@@ -89,67 +88,6 @@ def bulk_load(ix: Index, entries: Iterable[tuple[bytes, int, int]], *, keys_sort
     if holes:
         ix._write(lambda txn: txn.cursor(db=ix._free).putmulti(holes, append=True))
     return state["n"]
-
-
-def check_consistency(ix: Index) -> list[str]:
-    """Full scan of one snapshot; returns a description of every broken invariant
-    (empty list = consistent). O(entries): for fsck and tests, not the serving path."""
-    problems: list[str] = []
-    with ix._read() as txn:
-        cap = ix._capacity
-        hw = ix._get(txn, b"high_water")
-        tick = ix._get(txn, b"tick")
-        gen = ix._get(txn, b"generation")
-        if hw > cap:
-            problems.append(f"high_water {hw} > capacity {cap}")
-        owner: dict[int, str] = {}
-
-        def claim(slot: int, what: str) -> None:
-            if not 0 <= slot < cap:
-                problems.append(f"{what}: slot {slot} outside [0, {cap})")
-            elif slot >= hw:
-                problems.append(f"{what}: slot {slot} >= high_water {hw}")
-            if slot in owner:
-                problems.append(f"slot {slot} is both {owner[slot]} and {what}")
-            else:
-                owner[slot] = what
-
-        lru_expected = set()
-        for k, v in txn.cursor(db=ix._keys):
-            s, g, t = _VAL.unpack(v)
-            claim(s, f"used by key {k.hex()}")
-            if txn.get(_U32.pack(s), db=ix._slots) != k:
-                problems.append(f"slots[{s}] does not point back at key {k.hex()}")
-            if t > tick:
-                problems.append(f"key {k.hex()} tick {t} > meta tick {tick}")
-            if g > gen:
-                problems.append(f"key {k.hex()} generation {g} > meta generation {gen}")
-            lru_expected.add(_LRU.pack(t, s))
-        n_slots = txn.stat(ix._slots)["entries"]
-        n_keys = txn.stat(ix._keys)["entries"]
-        if n_slots != n_keys:
-            problems.append(f"slots db has {n_slots} rows, keys db {n_keys}")
-        lru_rows = set(txn.cursor(db=ix._lru).iternext(keys=True, values=False))
-        if lru_rows != lru_expected:
-            problems.append(f"lru has {len(lru_rows - lru_expected)} rows without an entry "
-                            f"and misses {len(lru_expected - lru_rows)} entries")
-        for sk in txn.cursor(db=ix._free).iternext(keys=True, values=False):
-            claim(_U32.unpack(sk)[0], "free")
-        for sk, v in txn.cursor(db=ix._reserved):
-            claim(_U32.unpack(sk)[0], "reserved")
-            if _U64.unpack_from(v)[0] > gen:
-                problems.append(f"reservation of slot {_U32.unpack(sk)[0]} has generation "
-                                f"> meta generation {gen}")
-        if len(owner) != hw:
-            problems.append(f"used + free + reserved below high_water = {len(owner)}, "
-                            f"expected {hw} (slots lost or counted twice)")
-        if ix._owned is not None:
-            # an engine's reservation names its owner (`owned`): a row whose slot is not
-            # reserved would make that owner's reclaim free somebody else's reservation
-            for ok in txn.cursor(db=ix._owned).iternext(keys=True, values=False):
-                if len(ok) != 16 or txn.get(bytes(ok[12:]), db=ix._reserved) is None:
-                    problems.append(f"owned row {bytes(ok).hex()} names a slot that is not reserved")
-    return problems
 
 
 def snapshot(ix: Index) -> "IndexSnapshot":

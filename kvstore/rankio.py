@@ -14,7 +14,6 @@ import logging
 import math
 import mmap
 import os
-import stat
 import struct
 import threading
 import time
@@ -28,8 +27,9 @@ from kvstore import _slotfile
 from kvstore._hostbuf import HostBuffer
 from kvstore._ring import Ring
 from kvstore._slotfile import SlotFile
+from kvstore.datadirs import _check_dir, probe_data_dir
 from kvstore.device_stream import DeviceStream
-from kvstore.errors import AlignmentError, ConfigError, CorruptSlot, KVStoreError, StoreNotFound
+from kvstore.errors import AlignmentError, ConfigError, CorruptSlot, KVStoreError
 from kvstore.layout import HEADER_SIZE, Layout, check_layout, device_dirs, read_fingerprint
 from kvstore.staging import Staging
 from kvstore.threads import make_thread
@@ -53,7 +53,7 @@ DEVICE_ERRNOS = frozenset({errno.EIO, errno.ENODEV, errno.ENXIO, errno.EROFS, er
 # block: a load recomputes it (and drops the entry), a store does not commit it.
 EIO_LIMIT = 10
 EIO_WINDOW_S = 600.0
-# An EIO below the limit probes its device (`engine.probe_data_dir`: the data directory
+# An EIO below the limit probes its device (`datadirs.probe_data_dir`: the data directory
 # and its marker, a file created, written with O_DIRECT, fdatasynced and read back), at
 # most once per PROBE_EVERY_S per device: a device that fails the probe (a file system
 # shut down after a media error, a drive gone) is fenced at once, not after ten errors.
@@ -130,19 +130,6 @@ def _view_at(addr: int, nbytes: int) -> np.ndarray:
 def _check_choice(name, value, choices):
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not valid; choose one of {', '.join(choices)}")
-
-
-def _check_dir(path: str) -> None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise StoreNotFound(f"{path} does not exist") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise KVStoreError(f"refusing {path}: it is a symlink (kvstore never follows symlinks "
-                           "inside a store; use the real path)")
-    if not stat.S_ISDIR(st.st_mode):
-        raise KVStoreError(f"{path} is not a directory")
-
 
 
 def rank_dir(store_dir: str, rank: int) -> str:
@@ -548,7 +535,6 @@ class RankIO:
         t.start()
 
     def _probe(self, d: int, op: str) -> None:
-        from kvstore.engine import probe_data_dir
         try:
             why = probe_data_dir(self.dirs[d], self.store_dir, d, self._direct,
                                  tag=f"-r{self.rank}-{threading.get_ident()}")

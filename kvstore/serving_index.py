@@ -573,7 +573,7 @@ class ServingIndex:
         """At open: fence every device whose data directory is not usable (missing,
         read-only, another store's), re-admit a fenced one that is back (see
         READMIT_AT_OPEN). Runs before the pool is filled and the table is built."""
-        from kvstore.engine import probe_data_dir
+        from kvstore.datadirs import probe_data_dir
         for d, path in enumerate(self.store.data_dirs):
             bad = probe_data_dir(path, self.store.path, d, direct)
             if bad is None and d in self.fences and self.fences[d][0] in self.READMIT_AT_OPEN:

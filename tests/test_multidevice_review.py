@@ -233,6 +233,7 @@ def test_patrol_eio_then_failed_probe_fences_and_enxio_fences_at_once(tmp_path, 
     import errno as _errno
     import kvstore.engine as engine
     import kvstore.rankio as rankio
+    import kvstore.rankio as rankio
     with _patrol_store(tmp_path) as st:
         rio = st.ranks[0]
         real = os.preadv
@@ -245,7 +246,7 @@ def test_patrol_eio_then_failed_probe_fences_and_enxio_fences_at_once(tmp_path, 
                 raise OSError(e, os.strerror(e))
             return real(fd, bufs, off)
         monkeypatch.setattr(rankio.os, "preadv", preadv)
-        monkeypatch.setattr(engine, "probe_data_dir", lambda *a, **k: ("io_error", "probe write: EIO"))
+        monkeypatch.setattr(rankio, "probe_data_dir", lambda *a, **k: ("io_error", "probe write: EIO"))
         _patrol(rio, 2)
         assert rio.failed[2].startswith("io_error: patrol read failed with ENXIO")
         _patrol(rio, 1)

@@ -289,7 +289,6 @@ class Ctx:
         """The worker's KVTransfer over `kv`; with the driver stand-in, its copy engine
         is a CUDA one (device `compute.device`) over the host-memory KV cache, ordered
         against `compute`'s stream, exactly as on a GPU."""
-        from kvstore._copy import CopyEngine
         from kvstore.transfer import KVTransfer
         xfer = KVTransfer(kv, cfg, staging, use_batch=use_batch)
         if self.standin:

@@ -744,7 +744,7 @@ class _Check:
         pointing at the device was verified (and dropped if bad) first."""
         if len(self.dirs) < 2:
             return
-        from kvstore.engine import probe_data_dir
+        from kvstore.datadirs import probe_data_dir
         try:
             with Index(self.index_dir, None, readonly=True) as ix:
                 fences = ix.fenced_devices()
