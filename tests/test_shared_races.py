@@ -382,7 +382,12 @@ def test_a_forked_child_does_not_keep_a_killed_engine_alive(tmp_path, procs):
             theirs = shared.owner_id(msg[1], shared.process_start_ticks(msg[1]))
             assert st.index.owned_counts().get(theirs) == 3
             os.kill(p.pid, signal.SIGKILL)
-            p.join(300)                            # bounds a hang only
+            # Its exit status, not join(): join waits for the end of the process's sentinel
+            # pipe, which the forked grandchild holds open.
+            deadline = time.monotonic() + 300      # bounds a hang only
+            while p.exitcode is None:
+                assert time.monotonic() < deadline, "the killed engine did not exit in 300 s"
+                time.sleep(0.05)
             assert p.exitcode == -signal.SIGKILL, p.exitcode
             refs, _ = st.reserve([k(0)])           # reaps the dead engine first
             st.abort(refs)

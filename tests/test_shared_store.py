@@ -201,13 +201,21 @@ class Engine:
 
     def stop(self):
         assert self.call("stop")[0] == "stopped"
-        self.proc.join(300)                     # bounds a hang only
-        assert self.proc.exitcode == 0, self.proc.exitcode
+        assert self._exit_status() == 0
 
     def kill(self):
         os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(300)                     # bounds a hang only
-        assert self.proc.exitcode == -signal.SIGKILL, self.proc.exitcode
+        assert self._exit_status() == -signal.SIGKILL
+
+    def _exit_status(self, timeout: float = 300) -> int:
+        """The engine's exit status once it exited (`timeout` bounds a hang only). Polled,
+        not join(): join waits until the process's sentinel pipe closes, which a process it
+        forked may hold open after it exited."""
+        deadline = time.monotonic() + timeout
+        while self.proc.exitcode is None:
+            assert time.monotonic() < deadline, f"engine {self.proc.pid} did not exit in {timeout:.0f} s"
+            time.sleep(0.05)
+        return self.proc.exitcode
 
 
 @pytest.fixture
