@@ -310,11 +310,6 @@ class RankIO:
     the payload checksum; a bad slot is reported per block, never handed to the caller.
     """
 
-    # Batch loops start chunk k+1 on the device streams before chunk k has drained
-    # (`DeviceStream`). False: the design before it, one ring call per chunk and device
-    # (each drains its queue at its tail), kept as the baseline of tools/ring_stream_ab.py.
-    streamed = True
-
     def __init__(self, store_dir: str, rank: int = 0, *, layout: Layout | None = None,
                  io_mode: str = "direct", queue_depth: int = 32, staging_bytes: int = 64 << 20,
                  readonly: bool = False, staging: Staging | None = None,
@@ -1016,7 +1011,7 @@ class RankIO:
         def ring_op(k):
             start, stop, base = chunks[k]
             return self._submit(OP_WRITE, refs[start:stop], range(base, base + stop - start),
-                                stream=self.streamed)
+                                stream=True)
 
         def after(k, result):
             start, stop, _ = chunks[k]
@@ -1026,7 +1021,7 @@ class RankIO:
                 errors[start + i] = self._error(OP_WRITE, res[i], fds[i], offs[i], refs[start + i])
 
         self._pipeline(len(chunks), ring_op, after, before, overlap=self.staging_slots >= 2,
-                       streamed=self.streamed)
+                       streamed=True)
         if durable:
             self._fdatasync(refs, fds_all, errors)
         return errors
@@ -1074,7 +1069,7 @@ class RankIO:
         def ring_op(k):
             start, stop, slots = plan[k]
             return self._submit(OP_READ, refs[start:stop], slots[:stop - start], vcode,
-                                stream=self.streamed)
+                                stream=True)
 
         def after(k, result):
             start, stop, slots = plan[k]
@@ -1085,7 +1080,7 @@ class RankIO:
             consume(start, stop, used, chunk_errors)
             errors.extend(chunk_errors)
 
-        self._pipeline(len(plan), ring_op, after, overlap=len(areas) > 1, streamed=self.streamed)
+        self._pipeline(len(plan), ring_op, after, overlap=len(areas) > 1, streamed=True)
         return errors
 
     def _verify(self, refs, stage_slots, res, status, fds, offs, check_payload) -> list[Exception | None]:
