@@ -1,0 +1,393 @@
+"""`kvstore bench tier`: kvstore as a vLLM secondary tier vs vLLM's own fs tier vs fio.
+
+Both tiers run behind vLLM's real `TieringOffloadingManager`, built as
+`TieringOffloadingSpec(config).get_manager()` builds it in `vllm serve`: the same CPU
+primary tier (a `SharedOffloadRegion` of `--primary` bytes in /dev/shm), the same
+directory, the same chunk layout. The benchmark plays vLLM's scheduler and workers: a
+"request" stores `--job-tokens` tokens of chunks (prepare_store, the worker's GPU ->
+primary copy as already done, complete_store: the manager cascades the chunks to the
+tier), one request per step with `--step-ms` of "forward" between steps.
+
+Per chunk size (16- and 64-token chunks of a 7B-class layout by default: 32 layers,
+8 KV heads of 128, bf16, i.e. 128 KiB per token; 16 tokens is vLLM's default chunk):
+
+- store GB/s: `--size` bytes of chunks (2x the kvstore tier's capacity) stored through
+  the manager, from the first prepare_store until every cascade job has finished (for
+  kvstore: written, fdatasynced and committed to its index; the fs tier never syncs);
+- disk bytes after storing them (the files under the tier's directory: kvstore's slot
+  files are preallocated at its capacity; the fs tier keeps a file per chunk);
+- load GB/s: the primary tier is reset (vLLM's `reset_cache`), the page cache dropped,
+  then the most recent `--primary` bytes of chunks are looked up, all requests at once, one
+  request per `--job-tokens`, and promoted into the primary tier (from the first lookup
+  until every chunk is a primary hit);
+- CPU s/GB: CPU seconds of this process (every thread: vLLM's manager, the tier's
+  threads) over the store and load phases, per GB moved;
+- call p99: the scheduler-thread time of each tier method call (lookup, submit_store,
+  submit_load, get_finished_jobs, take_events, touch, on_schedule_end, ...), p99 over
+  both phases; the whole manager call's p99 is given next to it (`manager_call_p99_us`);
+- fio: io_uring, one job, O_DIRECT, queue depth 32, block = chunk bytes, `--size` written
+  then read (the device's practical limit).
+
+GB = 1e9 bytes of chunk payload.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+import types
+import uuid
+
+import numpy as np
+
+from kvstore.bench.io_bench import drop_page_cache
+from kvstore.errors import KVStoreError
+from kvstore.layout import format_size, parse_size
+
+# 7B-class layout (Llama-3-8B / Mistral-7B: 32 layers, 8 KV heads, head dim 128, bf16):
+# K and V of every layer, per token
+LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES = 32, 8, 128, 2
+TOKEN_BYTES = 2 * LAYERS * KV_HEADS * HEAD_DIM * DTYPE_BYTES    # 131072
+BLOCK_TOKENS = 16                                               # vLLM's GPU block
+
+TIER_CALLS = ("lookup", "touch", "submit_store", "submit_load", "get_finished_jobs",
+              "take_events", "on_schedule_end", "on_new_request", "on_request_finished",
+              "get_stats", "has_pending_work")
+SYSTEMS = ("kvstore", "fs", "fio")
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _du(path: str) -> int:
+    total = 0
+    for d, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(d, f)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def _p99(xs) -> float:
+    if not xs:
+        return float("nan")
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), 99))
+
+
+class _Timed:
+    """Times every call of one tier method (scheduler-thread time, in microseconds)."""
+
+    def __init__(self, fn, out: list):
+        self.fn, self.out = fn, out
+
+    def __call__(self, *a, **kw):
+        t = time.perf_counter_ns()
+        try:
+            r = self.fn(*a, **kw)
+            if isinstance(r, types.GeneratorType):
+                return list(r)      # a generator's work is the call's work
+            return r
+        finally:
+            self.out.append((time.perf_counter_ns() - t) / 1e3)
+
+
+class TierRun:
+    """One tier behind vLLM's TieringOffloadingManager for one chunk size."""
+
+    def __init__(self, system: str, directory: str, chunk_tokens: int, primary: int,
+                 capacity: int, queue_depth: int):
+        from vllm.v1.kv_offload.config import (
+            OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
+            OffloadingModelConfig, OffloadingParallelConfig,
+        )
+        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+        self.system = system
+        self.root = os.path.join(directory, f"tier-bench-{system}")
+        shutil.rmtree(self.root, ignore_errors=True)
+        os.mkdir(self.root, 0o700)
+        if system == "kvstore":
+            tier = {"type": "KVStoreTier", "module_path": "kvstore.vllm.tier",
+                    "path": os.path.join(self.root, "store"), "capacity": capacity,
+                    "queue_depth": queue_depth}
+        else:   # vLLM's defaults: 16 read + 16 write threads
+            tier = {"type": "fs", "root_dir": self.root}
+        bpc = chunk_tokens // BLOCK_TOKENS
+        config = OffloadingConfig(
+            groups=(OffloadingGroupConfig(tokens_per_block=BLOCK_TOKENS, group_id=0,
+                                          layer_names=tuple(f"model.layers.{i}.self_attn"
+                                                            for i in range(LAYERS))),),
+            worker_kv_bytes_per_block=BLOCK_TOKENS * TOKEN_BYTES,
+            enable_kv_cache_events=False,
+            extra_config={"cpu_bytes_to_use": primary, "secondary_tiers": [tier]},
+            engine_id=f"kvstore-tier-bench-{uuid.uuid4().hex[:12]}",
+            model=OffloadingModelConfig(name="bench/7b-class", dtype="bfloat16"),
+            cache=OffloadingCacheConfig(tokens_per_hash=BLOCK_TOKENS, blocks_per_chunk=bpc),
+            parallel=OffloadingParallelConfig(
+                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                is_parallelism_agnostic=False),
+        )
+        self.spec = TieringOffloadingSpec(config)
+        self.m = self.spec.get_manager()
+        self.tier = self.m.secondary_tiers[0]
+        self.row = self.m.primary_tier.get_kv_memoryview().strides[0]
+        self.chunks = self.m.primary_tier._num_chunks
+        # the "KV" in the primary: random bytes (their content costs nothing to either tier)
+        flat = np.frombuffer(self.m.primary_tier.get_kv_memoryview().cast("B"), dtype=np.uint8)
+        pattern = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+        for off in range(0, len(flat), len(pattern)):
+            n = min(len(pattern), len(flat) - off)
+            flat[off:off + n] = pattern[:n]
+        del flat
+        self.tier_us: list[float] = []
+        self.manager_us: list[float] = []
+        for name in TIER_CALLS:
+            fn = getattr(self.tier, name, None)
+            if fn is not None:
+                setattr(self.tier, name, _Timed(fn, self.tier_us))
+
+    def _call(self, fn, *a):
+        t = time.perf_counter_ns()
+        with self.m.lock:
+            r = fn(*a)
+        self.manager_us.append((time.perf_counter_ns() - t) / 1e3)
+        return r
+
+    @staticmethod
+    def key(i: int) -> bytes:
+        from vllm.v1.kv_offload.base import make_offload_key
+        return make_offload_key(i.to_bytes(8, "big") + b"kvstore-tier-bench-key!!", 0)
+
+    def _step(self):
+        from vllm.v1.kv_offload.base import ScheduleEndContext
+        self._call(self.m.on_schedule_end, ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+
+    def settle(self, step_s: float, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._step()
+            with self.m.lock:
+                if not self.m.has_pending_work():
+                    return
+            if time.monotonic() > deadline:
+                raise KVStoreError(f"{self.system} tier: jobs did not finish within {timeout:.0f}s")
+            time.sleep(step_s)
+
+    def store(self, nchunks: int, job: int, step_s: float) -> tuple[float, float]:
+        """Store chunks 0..nchunks, a request of `job` chunks per step. (wall s, cpu s)"""
+        from vllm.v1.kv_offload.base import ReqContext
+        t0, c0 = time.perf_counter(), _cpu()
+        i = req = 0
+        stuck = time.monotonic() + 120.0
+        while i < nchunks:
+            keys = [self.key(j) for j in range(i, min(nchunks, i + job))]
+            req += 1
+            ctx = ReqContext(req_id=f"store-{req}")
+            self._call(self.m.on_new_request, ctx)
+            out = self._call(self.m.prepare_store, keys, ctx)
+            if out is not None:
+                # (the worker's GPU -> primary copy happens here in vLLM)
+                self._call(self.m.complete_store, out.keys_to_store, ctx)
+                i += len(keys)
+                stuck = time.monotonic() + 120.0
+            elif time.monotonic() > stuck:
+                raise KVStoreError(f"{self.system} tier: the primary tier took no chunk for 120 s")
+            self._call(self.m.on_request_finished, ctx)
+            self._step()
+            time.sleep(step_s)
+        self.settle(step_s)
+        return time.perf_counter() - t0, _cpu() - c0
+
+    def load(self, first: int, nchunks: int, job: int, step_s: float) -> tuple[float, float, int]:
+        """Promote chunks first..first+nchunks into the (reset) primary, every request
+        at once. (wall s, cpu s, chunks that missed)"""
+        from vllm.v1.kv_offload.base import LookupResult, ReqContext
+        self._call(self.m.reset_cache)
+        self._call(self.m.on_reset_flushed)
+        drop_page_cache()
+        reqs = []
+        for r, s in enumerate(range(first, first + nchunks, job)):
+            ctx = ReqContext(req_id=f"load-{r}")
+            self._call(self.m.on_new_request, ctx)
+            reqs.append((ctx, [self.key(j) for j in range(s, min(first + nchunks, s + job))]))
+        t0, c0 = time.perf_counter(), _cpu()
+        pending = dict(enumerate(reqs))
+        missed = 0
+        while pending:
+            for r, (ctx, keys) in list(pending.items()):
+                res = [self._call(self.m.lookup, k, ctx) for k in keys]
+                if all(x is LookupResult.HIT for x in res):
+                    del pending[r]
+                elif all(x in (LookupResult.HIT, LookupResult.MISS) for x in res):
+                    missed += sum(1 for x in res if x is LookupResult.MISS)
+                    del pending[r]
+            self._step()
+            if pending:
+                time.sleep(step_s)
+        wall, cpu = time.perf_counter() - t0, _cpu() - c0
+        for ctx, _ in reqs:
+            self._call(self.m.on_request_finished, ctx)
+        self.settle(step_s)
+        return wall, cpu, missed
+
+    def close(self) -> None:
+        try:
+            self.m.shutdown()
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _fio(directory: str, size: int, block: int, qd: int) -> dict:
+    from kvstore.bench.peers_bench import FioCPU
+    f = FioCPU(directory, size, block, qd, True)
+    try:
+        w = f.write()
+        drop_page_cache()
+        r = f.read()
+    finally:
+        f.close()
+    return {"store_gbps": w / 1e9, "load_gbps": r / 1e9}
+
+
+def run(directory: str | None = None, chunk_tokens=(16, 64), size="1G", capacity=None,
+        primary="256M", job_tokens: int = 1024, step_ms: float = 1.0, queue_depth: int = 32,
+        rounds: int = 1, systems=SYSTEMS, log=None) -> dict:
+    """Run the benchmark; returns {"results": {chunk bytes: {system: {...}}}, "config",
+    "targets"}."""
+    import vllm
+    if log is None:
+        def log(msg):
+            pass
+    size_b, primary_b = parse_size(size), parse_size(primary)
+    capacity_b = parse_size(capacity) if capacity is not None else size_b // 2
+    for t in chunk_tokens:
+        if t <= 0 or t % BLOCK_TOKENS:
+            raise KVStoreError(f"chunk tokens must be a positive multiple of {BLOCK_TOKENS} "
+                               f"(vLLM's block), got {t}")
+    if "fio" in systems and shutil.which("fio") is None:
+        raise KVStoreError("fio is not installed (Debian: apt-get install fio)")
+    tmp = None
+    if directory is None:
+        tmp = directory = tempfile.mkdtemp(prefix="kvstore-tier-bench-", dir="/var/tmp")
+    elif not os.path.isdir(directory):
+        raise KVStoreError(f"--dir {directory} is not a directory")
+    step_s = step_ms / 1000.0
+    results: dict = {}
+    try:
+        for tokens in chunk_tokens:
+            chunk = tokens * TOKEN_BYTES
+            if primary_b < 2 * chunk or capacity_b < 4 * chunk:
+                raise KVStoreError(f"--primary {format_size(primary_b)} and --capacity "
+                                   f"{format_size(capacity_b)} must hold a few {tokens}-token "
+                                   f"chunks ({format_size(chunk)} each)")
+            nchunks = size_b // chunk
+            # a request's chunks must fit the primary with room for the ones in flight
+            job = max(1, min(job_tokens // tokens, primary_b // chunk // 4))
+            samples: dict = {s: [] for s in systems}
+            for rnd in range(rounds):
+                for s in systems:
+                    log(f"{tokens}-token chunks ({format_size(chunk)}), round {rnd + 1}/{rounds}: {s}")
+                    if s == "fio":
+                        samples[s].append(_fio(directory, nchunks * chunk, chunk, queue_depth))
+                        continue
+                    run_ = TierRun(s, directory, tokens, primary_b, capacity_b, queue_depth)
+                    try:
+                        tw, cw = run_.store(nchunks, job, step_s)
+                        disk = _du(run_.root)
+                        nload = min(run_.chunks, nchunks)
+                        tr, cr, missed = run_.load(nchunks - nload, nload, job, step_s)
+                        samples[s].append({
+                            "store_gbps": nchunks * chunk / tw / 1e9,
+                            "load_gbps": (nload - missed) * chunk / tr / 1e9,
+                            "cpu_s_per_gb": (cw + cr) / ((nchunks + nload - missed) * chunk / 1e9),
+                            "call_p99_us": _p99(run_.tier_us),
+                            "disk_bytes_after_2x": disk,
+                            "manager_call_p99_us": _p99(run_.manager_us),
+                            "load_misses": missed,
+                            "data_path": getattr(run_.tier, "data_path", None),
+                        })
+                    finally:
+                        run_.close()
+            per = {}
+            for s, xs in samples.items():
+                if not xs:
+                    continue
+                out = {}
+                for k in xs[0]:
+                    vals = [x[k] for x in xs]
+                    out[k] = statistics.median(vals) if isinstance(vals[0], (int, float)) \
+                        and not isinstance(vals[0], bool) else vals[0]
+                per[s] = out
+            results[str(chunk)] = per
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "results": results,
+        "config": {"dir": directory if tmp is None else "(a temporary directory under /var/tmp)",
+                   "chunk_tokens": list(chunk_tokens), "token_bytes": TOKEN_BYTES,
+                   "layout": f"{LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM} x bf16 (K+V)",
+                   "size": size_b, "kvstore_capacity": capacity_b, "primary": primary_b,
+                   "job_tokens": job_tokens, "step_ms": step_ms, "queue_depth": queue_depth,
+                   "rounds": rounds, "vllm_version": vllm.__version__},
+        "targets": targets(results),
+    }
+
+
+def targets(results: dict) -> list[dict]:
+    """The targets: loads >= 1.3x and stores >= 1.5x the fs tier's GB/s, >= 3x less CPU
+    per GB, scheduler-thread time per tier call p99 < 100 us."""
+    out = []
+    for chunk, r in results.items():
+        k, f = r.get("kvstore"), r.get("fs")
+        if not k:
+            continue
+        lbl = format_size(int(chunk))
+        if f:
+            for what, need in (("load_gbps", 1.3), ("store_gbps", 1.5)):
+                q = k[what] / f[what] if f[what] else float("inf")
+                out.append({"target": f"{lbl}: {what} >= {need}x fs", "met": q >= need,
+                            "detail": f"{q:.2f}x"})
+            q = f["cpu_s_per_gb"] / k["cpu_s_per_gb"] if k["cpu_s_per_gb"] else float("inf")
+            out.append({"target": f"{lbl}: cpu_s_per_gb >= 3x less than fs", "met": q >= 3,
+                        "detail": f"{q:.2f}x"})
+        out.append({"target": f"{lbl}: tier call p99 < 100 us", "met": k["call_p99_us"] < 100,
+                    "detail": f"{k['call_p99_us']:.1f} us"})
+    return out
+
+
+def format_table(out: dict) -> str:
+    c = out["config"]
+    lines = [f"kvstore tier vs vLLM {c['vllm_version']} fs tier vs fio, behind vLLM's "
+             f"TieringOffloadingManager ({c['layout']}; primary {format_size(c['primary'])}, "
+             f"kvstore capacity {format_size(c['kvstore_capacity'])}, "
+             f"{format_size(c['size'])} stored per system)", ""]
+    hdr = (f"{'chunk':>9} {'system':>8} {'store GB/s':>10} {'load GB/s':>9} {'CPU s/GB':>9} "
+           f"{'call p99 us':>11} {'mgr p99 us':>10} {'disk after 2x':>13}")
+    lines.append(hdr)
+    lines.append("-" * len(hdr))
+    for chunk, per in out["results"].items():
+        for s in SYSTEMS:
+            r = per.get(s)
+            if r is None:
+                continue
+
+            def f(k, fmt):
+                v = r.get(k)
+                return format(v, fmt) if isinstance(v, (int, float)) else "-"
+            disk = format_size(r["disk_bytes_after_2x"]) if "disk_bytes_after_2x" in r else "-"
+            lines.append(f"{format_size(int(chunk)):>9} {s:>8} {f('store_gbps', '.2f'):>10} "
+                         f"{f('load_gbps', '.2f'):>9} {f('cpu_s_per_gb', '.2f'):>9} "
+                         f"{f('call_p99_us', '.1f'):>11} {f('manager_call_p99_us', '.1f'):>10} "
+                         f"{disk:>13}")
+    lines.append("")
+    for t in out["targets"]:
+        lines.append(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['detail']}")
+    return "\n".join(lines)
