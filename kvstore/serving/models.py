@@ -1,7 +1,9 @@
 """Random-weight models made on this machine, for the real-engine demo, bench and tests.
 
 The model hub is out of reach, so kvstore makes its own: a Llama with random weights
-(transformers `LlamaForCausalLM`, a fixed seed, `save_pretrained`) and a word-level
+(transformers `LlamaForCausalLM`, a fixed seed, `save_pretrained`), or a Gemma 2 (sliding-
+window attention on every other layer: a hybrid model, full-attention and sliding-window
+KV cache groups in vLLM), and a word-level
 tokenizer trained locally with `tokenizers` over a fixed synthetic vocabulary, with a chat
 template, so `vllm serve DIR` serves it exactly as it serves a downloaded model (text and
 chat prompts through the OpenAI API). One word of the vocabulary is one token, which makes
@@ -45,6 +47,9 @@ class ModelSpec:
     initializer_range: float = 0.02
     # Bumped when the generator changes what it writes, so old directories are remade.
     format: int = 1
+    # "llama", or "gemma2": layers 0, 2, ... attend to the last `sliding_window` tokens only.
+    arch: str = "llama"
+    sliding_window: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -72,7 +77,13 @@ TINY = ModelSpec("tiny", hidden_size=128, num_layers=2, num_heads=4, num_kv_head
 # seconds on two cores, as a real (small) model's would.
 DEMO = ModelSpec("demo", hidden_size=768, num_layers=24, num_heads=12, num_kv_heads=4,
                  intermediate_size=2048, vocab_words=16000)
-SPECS = {s.name: s for s in (TINY, DEMO)}
+# Tests of hybrid models: TINY's size as a Gemma 2 with a 64-token window on every other
+# layer (two full-attention and two sliding-window layers: two KV cache groups of one page
+# size), so prompts of a few hundred tokens reach far past the window.
+TINY_GEMMA2 = ModelSpec("tiny-gemma2", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                        intermediate_size=256, vocab_words=4000, arch="gemma2", sliding_window=64)
+SPECS = {s.name: s for s in (TINY, DEMO, TINY_GEMMA2)}
+ARCHS = ("llama", "gemma2")
 
 
 def default_dir(name: str) -> str:
@@ -102,6 +113,16 @@ def words(spec: ModelSpec, n: int, rng: random.Random) -> str:
     return " ".join(rng.choice(vocab) for _ in range(n))
 
 
+def stamp_of(spec: ModelSpec) -> dict:
+    """The stamp of a spec: its fields, less `arch` and `sliding_window` where they are the
+    Llama defaults (a Llama's stamp is the same as before those fields existed, so its
+    directory is reused)."""
+    d = asdict(spec)
+    if spec.arch == "llama" and not spec.sliding_window:
+        del d["arch"], d["sliding_window"]
+    return d
+
+
 def _read_stamp(path: str) -> dict | None:
     try:
         with open(os.path.join(path, STAMP)) as f:
@@ -119,9 +140,14 @@ def ensure_model(name_or_spec: str | ModelSpec = "tiny", path: str | None = None
     spec = SPECS.get(name_or_spec) if isinstance(name_or_spec, str) else name_or_spec
     if spec is None:
         raise ConfigError(f"unknown model {name_or_spec!r}; choose one of {', '.join(SPECS)}")
+    if spec.arch not in ARCHS:
+        raise ConfigError(f"model {spec.name}: unknown arch {spec.arch!r}; choose one of {', '.join(ARCHS)}")
+    if (spec.arch == "gemma2") != (spec.sliding_window > 0):
+        raise ConfigError(f"model {spec.name}: sliding_window={spec.sliding_window} needs arch "
+                          "gemma2 (and gemma2 a sliding_window > 0)")
     path = os.path.abspath(path or default_dir(spec.name))
     stamp = _read_stamp(path)
-    if stamp == asdict(spec):
+    if stamp == stamp_of(spec):
         return path
     if os.path.exists(path) and os.listdir(path):
         if stamp is None:
@@ -136,7 +162,7 @@ def ensure_model(name_or_spec: str | ModelSpec = "tiny", path: str | None = None
         _write_tokenizer(spec, tmp)
         _write_weights(spec, tmp)
         with open(os.path.join(tmp, STAMP), "w") as f:
-            json.dump(asdict(spec), f, indent=1)
+            json.dump(stamp_of(spec), f, indent=1)
         if os.path.isdir(path):
             os.rmdir(path)
         os.rename(tmp, path)
@@ -163,15 +189,28 @@ def _write_tokenizer(spec: ModelSpec, out: str) -> None:
 
 def _write_weights(spec: ModelSpec, out: str) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(
+    common = dict(
         vocab_size=len(SPECIALS) + spec.vocab_words, hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
         head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings,
-        rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=spec.initializer_range,
-        bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+        rms_norm_eps=1e-5, initializer_range=spec.initializer_range,
+        bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    if spec.arch == "gemma2":
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+        # layer_types: sliding window on layers 0, 2, ... (Gemma 2's own pattern); vLLM
+        # gives the two kinds one KV cache group each.
+        cfg = Gemma2Config(
+            **common, sliding_window=spec.sliding_window, query_pre_attn_scalar=spec.head_dim,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                         for i in range(spec.num_layers)],
+            tie_word_embeddings=True)
+        cls = Gemma2ForCausalLM
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
+        cls = LlamaForCausalLM
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(cfg).to(getattr(torch, spec.dtype))
+    model = cls(cfg).to(getattr(torch, spec.dtype))
     model.save_pretrained(out, safe_serialization=True)
     model.generation_config.save_pretrained(out)
