@@ -32,9 +32,8 @@ misses in the table while other engines are attached asks LMDB for the rest of t
 also reclaims the reservations of engines that died (their lease lock is free), follows
 engines that come and go, and sweeps stale entries.
 
-`SyncServingIndex` is the previous design (every operation on the caller's thread, fsync
-included), kept as the baseline `kvstore bench connector` compares against
-(`index_thread: false`).
+`SyncServingIndex` runs every operation on the caller's thread, fsync included: the
+baseline `kvstore bench connector` compares against (`index_thread: false`).
 """
 from __future__ import annotations
 
@@ -540,7 +539,7 @@ class ServingIndex:
         thread with the step's next operation (`_send_counts`): a queued operation wakes
         the index thread, which on a busy machine is put on the step thread's CPU and
         preempts it in the middle of the connector's call, only to wait for the GIL the
-        step thread holds (issue 14)."""
+        step thread holds."""
         self._hits += hits
         self._misses += misses
 
@@ -549,7 +548,7 @@ class ServingIndex:
             self._ops.put(("count", self._hits, self._misses))
             self._hits = self._misses = 0
 
-    # -- failed devices (issue 15) --------------------------------------------------
+    # -- failed devices --------------------------------------------------------------
     def fence_device(self, dev: int, reason: str = "io_error") -> bool:
         """A device failed: its entries leave the lookups now (one C call), its slots
         leave the pool, and the index thread drops its entries from LMDB and records
@@ -1031,7 +1030,7 @@ class ServingIndex:
 
 
 class SyncServingIndex(ServingIndex):
-    """The previous design, as a baseline: every operation runs on the caller's thread,
+    """The synchronous baseline: every operation runs on the caller's thread,
     lookups walk LMDB, a store's slots are reserved (with evictions) when it is planned,
     and a commit fsyncs on the caller's thread. Same interface as `ServingIndex`."""
 

@@ -5,8 +5,8 @@ I/O threads (`io_thread_nice`), docs/CONFIG.md.
 engines take a core mask (SPDK's `-m`; vLLM's CPU build binds its OpenMP threads with
 `VLLM_CPU_OMP_THREADS_BIND`), so they never take a CPU vLLM's engine is using. vLLM's own
 threads are never touched: only a thread started here is pinned, by itself, as it starts.
-Pinning alone does not shorten vLLM's steps (issue 14, docs/benchmarks.md stop 29): the
-priority below does.
+Pinning alone does not shorten vLLM's steps (docs/benchmarks.md): the priority below
+does.
 
 `io_thread_nice` lowers the CPU priority of kvstore's I/O threads (each rank's I/O thread,
 device streams, probes, patrols) below the index thread's, as RocksDB runs its background
@@ -14,7 +14,7 @@ threads at `CpuPriority::kLow` (nice 19). The index thread holds the GIL, which 
 thread needs; the I/O threads spend their CPU in C without it (checksums, copies, io_uring
 waits). On a shared CPU the kernel would preempt the index thread in the middle of a GIL
 hold to run an I/O thread, and vLLM's step thread then waits on the GIL until the index
-thread runs again (issue 14: 0.3-2 ms). At nice 19 (a CFS weight of 15 against the index
+thread runs again (0.3-2 ms measured). At nice 19 (a CFS weight of 15 against the index
 thread's 1024) an I/O thread almost never preempts it; the I/O threads still get every CPU cycle
 nobody else wants. That is the default, except where vLLM's forward pass itself runs on
 the host's cores (its CPU build, `io_nice`).
@@ -142,12 +142,12 @@ def io_nice(thread_cpus: frozenset[int] | None, io_thread_nice: int | None,
     (None), 19 unless vLLM's forward pass runs on this host's CPUs (`forward_on_host`:
     vLLM's CPU build) on CPUs kvstore shares with it. With GPUs the forward leaves the CPUs
     alone, and what competes with the I/O threads for them is vLLM's step thread and
-    kvstore's index thread, both of which must win (issue 14). On CPUs set aside
+    kvstore's index thread, both of which must win. On CPUs set aside
     (`thread_cpus`) the I/O threads only compete with the index thread. On the CPU build's
     shared cores they compete with the forward's OpenMP threads, one per core at nice 0:
     at nice 19 a load's checksums and copies get a sliver of a core while a forward runs
     (a disk hit's TTFT with four requests decoding: 245 ms median at 0, 422-473 ms at 19,
-    docs/benchmarks.md stop 30), so they stay at the process's priority there."""
+    docs/benchmarks.md), so they stay at the process's priority there."""
     if io_thread_nice is not None:
         return io_thread_nice
     return 0 if forward_on_host and not thread_cpus else 19

@@ -13,13 +13,13 @@ store is full: every store evicts), in two phases:
 Every scheduler-side connector call is timed; a step's connector time is the sum of its
 calls. Reported per phase: p50/p99/max per step, steps, and the index fsyncs done on the
 scheduler thread (`Index.fsyncs_by_thread`; the target is zero). With `baseline`, the same
-phases run again with `index_thread: false` (the previous design: every index operation,
-commit fsyncs included, on the scheduler thread), on the same store.
+phases run again with `index_thread: false` (the synchronous baseline: every index
+operation, commit fsyncs included, on the scheduler thread), on the same store.
 
 The harness has no model: each step that computed tokens is followed by `forward_ms` of
 sleep standing in for the model's forward (10 ms by default; an 8k-token prefill takes
 far longer on any GPU), during which the step thread holds no GIL, as a real engine's
-waits on the GPU. Without it (`forward_ms=0`, the bench before stop 32) the harness steps
+waits on the GPU. Without it (`forward_ms=0`) the harness steps
 as fast as it can, the index thread cannot refill the slot pool between steps, and most
 store steps plan only the few blocks the pool holds: their p50 is then the cost of a
 step that stores little, not of the store-heavy step the phase is meant to measure.
@@ -27,7 +27,7 @@ step that stores little, not of the store-heavy step the phase is meant to measu
 The prefilled entries are synthetic (random keys over sparse slot files: they are never
 read), so a 10M-entry store costs index space only.
 
-With `engines` > 1 (issue 16), that many engine processes run the phases at once on the one
+With `engines` > 1, that many engine processes run the phases at once on the one
 store, each its own prompts in the store phase, and in the load phase engine i replays
 engine i+1's prompts (cross-engine hits: it never computed them); a barrier starts each
 phase together. Each engine's numbers are reported.
@@ -43,7 +43,7 @@ import time
 
 # The worker connector's per-step calls: with TP=1 and vLLM's single-process executor they
 # run on the same thread as the scheduler's (the model runner's step), so they are timed too
-# and reported apart (the issue's target is the scheduler side).
+# and reported apart (the 0.5 ms p99 target is the scheduler side's).
 WORKER_METHODS = ("bind_connector_metadata", "handle_preemptions", "start_load_kv",
                   "wait_for_save", "get_finished", "get_transfer_results",
                   "get_block_ids_with_load_errors", "build_connector_worker_meta",
@@ -368,8 +368,8 @@ def _phases(common: dict, prompts: list, index_thread: bool, load_prompts: list 
         h.drain()
         phase_s = time.perf_counter() - t0
         res = timer.result()
-        # (stop 35: a load phase that crawled, four loads a second, showed only as the
-        # harness's drain limit; its length is reported like the store phase's)
+        # The phase's length is reported too: a load phase that crawls (a few loads a
+        # second) would otherwise show only as the harness's drain limit.
         res["phase_s"] = round(phase_s, 2)
         res["steps_per_s"] = round(res["steps"] / phase_s, 1)
         res["blocks_loaded"] = sum(w.worker.loaded_bytes_total for w in h.worker_connectors) \
