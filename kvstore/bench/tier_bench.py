@@ -20,8 +20,10 @@ Per chunk size (16- and 64-token chunks of a 7B-class layout by default: 32 laye
   then the most recent `--primary` bytes of chunks are looked up, all requests at once, one
   request per `--job-tokens`, and promoted into the primary tier (from the first lookup
   until every chunk is a primary hit);
-- CPU s/GB: CPU seconds of this process (every thread: vLLM's manager, the tier's
-  threads) over the store and load phases, per GB moved;
+- CPU s/GB: CPU seconds the tier spent over the store and load phases, per GB moved:
+  every thread of the process but the benchmark's own scheduler thread (which runs vLLM's
+  manager, the same for both tiers), plus that thread's time inside the tier's calls
+  (`process_cpu_s_per_gb`: every thread, the benchmark's scheduler included);
 - call p99: the scheduler-thread time of each tier method call (lookup, submit_store,
   submit_load, get_finished_jobs, take_events, touch, on_schedule_end, ...), p99 over
   both phases; the whole manager call's p99 is given next to it (`manager_call_p99_us`);
@@ -62,6 +64,27 @@ SYSTEMS = ("kvstore", "fs", "fio")
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds per thread name of this process (Linux /proc)."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                st = f.read()
+        except OSError:
+            continue
+        name = st[st.index("(") + 1:st.rindex(")")]
+        fields = st[st.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _cpu_split(before: dict, after: dict) -> dict[str, float]:
+    return {k: round(after[k] - before.get(k, 0.0), 3) for k in after
+            if after[k] - before.get(k, 0.0) > 0.005}
 
 
 def _du(path: str) -> int:
@@ -147,6 +170,7 @@ class TierRun:
             flat[off:off + n] = pattern[:n]
         del flat
         self.tier_us: list[float] = []
+        self.process_cpu = 0.0          # every thread's CPU s over the timed phases
         self.manager_us: list[float] = []
         for name in TIER_CALLS:
             fn = getattr(self.tier, name, None)
@@ -183,7 +207,8 @@ class TierRun:
     def store(self, nchunks: int, job: int, step_s: float) -> tuple[float, float]:
         """Store chunks 0..nchunks, a request of `job` chunks per step. (wall s, cpu s)"""
         from vllm.v1.kv_offload.base import ReqContext
-        t0, c0 = time.perf_counter(), _cpu()
+        t0, c0 = time.perf_counter(), self._tier_cpu()
+        pc0 = _cpu()
         i = req = 0
         stuck = time.monotonic() + 120.0
         while i < nchunks:
@@ -203,7 +228,13 @@ class TierRun:
             self._step()
             time.sleep(step_s)
         self.settle(step_s)
-        return time.perf_counter() - t0, _cpu() - c0
+        self.process_cpu += _cpu() - pc0
+        return time.perf_counter() - t0, self._tier_cpu() - c0
+
+    def _tier_cpu(self) -> float:
+        """CPU seconds the tier spent: every thread but this one (the benchmark's
+        scheduler, vLLM's manager), plus this thread's time inside the tier's calls."""
+        return _cpu() - time.thread_time() + sum(self.tier_us) / 1e6
 
     def load(self, first: int, nchunks: int, job: int, step_s: float) -> tuple[float, float, int]:
         """Promote chunks first..first+nchunks into the (reset) primary, every request
@@ -217,7 +248,8 @@ class TierRun:
             ctx = ReqContext(req_id=f"load-{r}")
             self._call(self.m.on_new_request, ctx)
             reqs.append((ctx, [self.key(j) for j in range(s, min(first + nchunks, s + job))]))
-        t0, c0 = time.perf_counter(), _cpu()
+        t0, c0 = time.perf_counter(), self._tier_cpu()
+        pc0 = _cpu()
         pending = dict(enumerate(reqs))
         missed = 0
         while pending:
@@ -231,7 +263,8 @@ class TierRun:
             self._step()
             if pending:
                 time.sleep(step_s)
-        wall, cpu = time.perf_counter() - t0, _cpu() - c0
+        wall, cpu = time.perf_counter() - t0, self._tier_cpu() - c0
+        self.process_cpu += _cpu() - pc0
         for ctx, _ in reqs:
             self._call(self.m.on_request_finished, ctx)
         self.settle(step_s)
@@ -299,6 +332,7 @@ def run(directory: str | None = None, chunk_tokens=(16, 64), size="1G", capacity
                         continue
                     run_ = TierRun(s, directory, tokens, primary_b, capacity_b, queue_depth)
                     try:
+                        th0 = _thread_cpu()
                         tw, cw = run_.store(nchunks, job, step_s)
                         disk = _du(run_.root)
                         nload = min(run_.chunks, nchunks)
@@ -307,11 +341,16 @@ def run(directory: str | None = None, chunk_tokens=(16, 64), size="1G", capacity
                             "store_gbps": nchunks * chunk / tw / 1e9,
                             "load_gbps": (nload - missed) * chunk / tr / 1e9,
                             "cpu_s_per_gb": (cw + cr) / ((nchunks + nload - missed) * chunk / 1e9),
+                            "process_cpu_s_per_gb": run_.process_cpu / (
+                                (nchunks + nload - missed) * chunk / 1e9),
                             "call_p99_us": _p99(run_.tier_us),
                             "disk_bytes_after_2x": disk,
                             "manager_call_p99_us": _p99(run_.manager_us),
                             "load_misses": missed,
                             "data_path": getattr(run_.tier, "data_path", None),
+                            # CPU s by thread over both phases (the main thread is the
+                            # benchmark's scheduler: vLLM's manager and the tier's calls)
+                            "cpu_s_by_thread": _cpu_split(th0, _thread_cpu()),
                         })
                     finally:
                         run_.close()
