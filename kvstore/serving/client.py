@@ -20,6 +20,7 @@ class Completion:
     text: str = ""
     prompt_tokens: int = 0
     cached_tokens: int | None = None   # vLLM's prompt_tokens_details (GPU + disk hits)
+    itl_s: list[float] = field(default_factory=list)   # gaps between chunks that carried tokens
 
     def same_tokens(self, other: "Completion") -> bool:
         return self.token_ids == other.token_ids
@@ -78,11 +79,17 @@ class Client:
     def _collect(self, stream, t0: float, tokens) -> Completion:
         """Read a stream: `tokens(choice)` gives (ids, logprobs, text) of one chunk."""
         out = Completion(ttft_s=0.0, total_s=0.0)
+        last = None
         for chunk in stream:
             if chunk.choices:
                 ids, lps, text = tokens(chunk.choices[0])
-                if ids and not out.token_ids:
-                    out.ttft_s = time.perf_counter() - t0
+                if ids:
+                    now = time.perf_counter()
+                    if not out.token_ids:
+                        out.ttft_s = now - t0
+                    else:
+                        out.itl_s.append(now - last)
+                    last = now
                 out.token_ids += ids
                 out.logprobs += lps
                 out.text += text
