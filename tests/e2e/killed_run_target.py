@@ -12,7 +12,7 @@ import time
 def test_serve_on_a_loop_mount_until_killed(serve, small_disk):
     report = os.environ.get("KVSTORE_KILLED_RUN_REPORT")
     assert report, "run only by tests/e2e/test_killed_run.py"
-    s = serve.server(small_disk / "store").start()
+    s = serve.server(small_disk / "store", extra={"capacity": "4M"}).start()
     with open(report + ".part", "w") as f:
         json.dump({"pytest_pid": os.getpid(), "server_pid": s.proc.pid,
                    "image": str(small_disk.parent / "disk.img"), "mount": str(small_disk)}, f)
