@@ -340,7 +340,7 @@ class Index:
         try:
             if self._readonly:
                 dbs = [env.open_db(n, create=False) for n in _DB_NAMES[:6]]
-                try:    # a store written before engines shared it has no `owned` db
+                try:    # made by the first writable open: a read-only opener may not find it
                     dbs.append(env.open_db(b"owned", create=False))
                 except lmdb.Error:
                     dbs.append(None)

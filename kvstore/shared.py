@@ -56,7 +56,7 @@ _OWNER = struct.Struct(">IQ")          # owner id: pid, start ticks (12 bytes)
 # A lease's (and the store lock's) flock belongs to its open file description, which a
 # forked child shares: a child forked after the attach (a worker started with fork,
 # multiprocessing's fork start method) would keep a dead engine's lease locked, so its
-# reservations were never reclaimed, and keep an offline repair out (O_CLOEXEC covers
+# reservations would never be reclaimed, and keep an offline repair out (O_CLOEXEC covers
 # exec only). At fork the child closes its copies and detaches its copy of the lease's
 # pin map (a MAP_SHARED mapping holds the open file description too); closing a copy
 # never releases the lock while the parent's stays open (flock(LOCK_UN) would). Its Lease

@@ -24,7 +24,7 @@
 # bytes a slot), so a lookup pins its hit in the same C call that finds it and the index
 # thread's eviction claim checks pins without a Python object per slot.
 #
-# Several engines on one store (issue 16): each engine keeps its own table, and shares
+# Several engines on one store: each engine keeps its own table, and shares
 # two things with the others through files mapped MAP_SHARED (`SharedMap`): its pin counts
 # (its lease file, read by the other engines' eviction claims) and the store's per-slot
 # generation array (STORE/engines/slots: the generation of the entry a slot holds, 0 when
@@ -84,9 +84,9 @@ cdef extern from *:
 
 # "Prefetches" are plain loads whose value is dropped: out-of-order execution keeps a
 # batch's misses in flight together just the same, and a load is never dropped.
-# __builtin_prefetch was, here: at 10M entries on this VM, with the TLB cold (after
+# __builtin_prefetch is not, here: at 10M entries on a 2-vCPU VM, with the TLB cold (after
 # other memory traffic), 512 table probes behind prefetches cost 220-330 us, behind
-# these loads 105-200 us (`bench index` walk511 cold p50 0.335 -> 0.253 ms); a C
+# these loads 105-200 us (`bench index` walk511 cold p50 0.335 vs 0.253 ms); a C
 # replica of the walk outside Python did not show it, so the cause is a guess
 # (prefetches dropped on a TLB miss under nested paging).
 cdef extern from *:
@@ -1100,9 +1100,9 @@ cdef class KeyTable:
                 # were fetched one batch ago; read their ids and fetch those, fetch the
                 # next batch's blocks, then hash this batch (its buckets on their way)
                 # and probe. 512 new blocks at 10M entries, cold caches, blocks spread over
-                # the pool (a long-running engine's free queue): 401 -> 260 us p50;
-                # consecutive blocks (a fresh pool) were no slower before: 143 vs 149 us
-                # (docs/benchmarks.md, stop 30).
+                # the pool (a long-running engine's free queue): 260 us p50, against 401
+                # without the read-ahead; consecutive blocks (a fresh pool): 149 vs 143 us
+                # (docs/benchmarks.md).
                 if b == start:
                     for j in range(b, e):
                         KT_PREFETCH(<const void *>PyList_GET_ITEM(block_ids, j))
@@ -1429,8 +1429,8 @@ cdef class KeySet:
         # A batch's home buckets fetched together, then discarded: the set is cold by the
         # time a commit comes back (the step's forward ran meanwhile); its misses were ~a
         # quarter of a store step's `update_connector_output` (tools/step_perf.py, 10M
-        # entries). 512 of 20K keys after 64 MiB of other traffic: p50 47-59 -> 37-40 us;
-        # of 3.5K keys (fits the caches better): 26 -> 25 us, no change.
+        # entries). 512 of 20K keys after 64 MiB of other traffic: p50 37-40 us, against
+        # 47-59 without; of 3.5K keys (fits the caches better): 25 vs 26 us.
         b = 0
         while b < n:
             e = min(n, b + BATCH)
@@ -1532,7 +1532,7 @@ def pin_counts_remove(dict pins, list slots):
             pins[s] = c - 1
 
 
-# -- admission on second sight (issue 15) -----------------------------------------------
+# -- admission on second sight ---------------------------------------------------------
 #
 # A block is stored only when its key (vLLM's block hash, which chains the whole prefix,
 # + group id) was planned before within a window: the first sighting is only remembered.
