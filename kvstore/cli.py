@@ -471,62 +471,6 @@ def bench_serve(systems, workloads, model, python, concurrency, prefix_len, suff
             _fail(f"--plot {plot_path}: cannot write the chart ({exc}); the results are above")
 
 
-@bench.command("serve")
-@click.option("--systems", default=None, help="Comma-separated subset of: vllm, kvstore, ceiling, "
-              "offload-fs (default: all; a system that cannot start on this engine is listed with its error).")
-@click.option("--workloads", default=None, help="Comma-separated subset of: prefix_repetition, doc_qa, "
-              "no_reuse (default: all).")
-@click.option("--model", default="demo", show_default=True, type=click.Choice(["demo", "tiny"]))
-@click.option("--python", "python", default=None, help="Python whose vLLM serves (see `kvstore demo`).")
-@click.option("--concurrency", default=4, show_default=True, type=click.IntRange(1, 1024), help="Requests in flight.")
-@click.option("--prefix-len", default=1500, show_default=True, type=click.IntRange(32, 10**6))
-@click.option("--suffix-len", default=32, show_default=True, type=click.IntRange(1, 10**6))
-@click.option("--num-prefixes", default=8, show_default=True, type=click.IntRange(1, 10**5))
-@click.option("--num-prompts", default=48, show_default=True, type=click.IntRange(1, 10**6))
-@click.option("--output-len", default=16, show_default=True, type=click.IntRange(1, 10**5))
-@click.option("--documents", default=6, show_default=True, type=click.IntRange(1, 10**4))
-@click.option("--doc-tokens", default=2000, show_default=True, type=click.IntRange(32, 10**6))
-@click.option("--questions", default=2, show_default=True, type=click.IntRange(1, 1000),
-              help="Questions per document in the doc_qa query round.")
-@click.option("--no-reuse-prompts", default=12, show_default=True, type=click.IntRange(1, 10**6))
-@click.option("--kv-fraction", default=0.5, show_default=True, type=float,
-              help="vLLM's KV cache as a fraction of the reused working set (never below what the "
-                   "requests in flight need).")
-@click.option("--capacity", default="8G", show_default=True, help="kvstore's store capacity.")
-@click.option("--restart-all", is_flag=True, help="Run the restart phase for every system, not only kvstore.")
-@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
-              help="Where stores and server logs live (default: a temporary directory).")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None)
-@click.option("--json", "as_json", is_flag=True)
-def bench_serve(systems, workloads, model, python, concurrency, prefix_len, suffix_len, num_prefixes,
-                num_prompts, output_len, documents, doc_tokens, questions, no_reuse_prompts, kv_fraction,
-                capacity, restart_all, directory, plot_path, as_json):
-    """A real `vllm serve` under concurrent load past its KV cache: vLLM alone, with kvstore, the ceiling."""
-    from kvstore.bench import serve_bench
-    say = (lambda *a: click.echo(*a, err=True)) if as_json else click.echo
-    split = lambda x: [p.strip() for p in x.split(",") if p.strip()] if x else None   # noqa: E731
-    try:
-        out = serve_bench.run(model=model, python=python, systems=split(systems), workloads=split(workloads),
-                              concurrency=concurrency, prefix_len=prefix_len, suffix_len=suffix_len,
-                              num_prefixes=num_prefixes, num_prompts=num_prompts, output_len=output_len,
-                              documents=documents, doc_tokens=doc_tokens, questions=questions,
-                              no_reuse_prompts=no_reuse_prompts, kv_fraction=kv_fraction, capacity=capacity,
-                              restart_all=restart_all, directory=directory, say=say)
-    except (KVStoreError, OSError, RuntimeError) as exc:
-        _fail(exc)
-    click.echo(json.dumps(out, indent=2) if as_json else serve_bench.format_table(out))
-    if plot_path:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            click.echo(f"--plot {plot_path}: matplotlib is not installed; no plot (the results are above)", err=True)
-            return
-        try:
-            serve_bench.plot(out, plot_path)
-        except OSError as exc:
-            _fail(f"--plot {plot_path}: cannot write the chart ({exc}); the results are above")
-
-
 @bench.command("soak")
 @click.option("--requests", default=20000, show_default=True, type=click.IntRange(1, 10**7))
 @click.option("--interval", default=2000, show_default=True, type=click.IntRange(1, 10**7))
