@@ -1,4 +1,4 @@
-"""Wear accounting (issue 15, item 4) through vLLM's real scheduler: admission on second
+"""Wear accounting through vLLM's real scheduler: admission on second
 sight (`"admission": "second_sight"`: a block is stored only when its key was planned
 before within a window) and per-device bytes written/read as connector metrics, checked
 against `kvstore info` after a serving run. Every load is byte-verified by the harness.

@@ -1,4 +1,4 @@
-"""`kvstore bench peers --dir A,B` (issue 15): with several directories kvstore runs one store
+"""`kvstore bench peers --dir A,B`: with several directories kvstore runs one store
 striped over all of them, fio a job on every directory at once, the one-thread baseline a
 thread per directory and vLLM's fs tier (one root_dir) the first directory; the JSON and
 the table report every system per directory next to its total. Needs vLLM (the fs tier)

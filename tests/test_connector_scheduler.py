@@ -172,8 +172,8 @@ def test_staggered_prefills_of_one_prompt_store_each_block_once(tmp_path):
     """Four requests with the same 40-block prompt, each a step after the last, prefilled
     in 64-token chunks: vLLM hands a later one the blocks an earlier one computed, and the
     later one then runs ahead of it. Each block is written once: no duplicate commit, one
-    BlockStored per hash, every slot used holds a distinct block. (Stop 37 tried skipping
-    the table probe past a request's lookup miss: 12 of these 40 blocks were stored twice.)"""
+    BlockStored per hash, every slot used holds a distinct block. (A store walk that skipped
+    the table probe past a request's lookup miss would store 12 of these 40 blocks twice.)"""
     import collections
     import time
     p = prompts(77, 1, 40 * BS + 5)[0]
@@ -451,8 +451,8 @@ def test_thread_cpus_pins_kvstores_threads_and_only_them(tmp_path):
 
 def test_kvstore_threads_name_themselves_to_the_kernel_without_opening_a_file(monkeypatch):
     """A thread kvstore starts names itself ("kvstore-io-rank0" -> "kvs-io-rank0", 15 bytes
-    at most) with prctl, so `ps -L` shows it, and opens no file doing so: CI once caught a
-    thread's /proc/.../comm open in the fd-leak check of a harness that was closing."""
+    at most) with prctl, so `ps -L` shows it, and opens no file doing so: a thread opening /proc/.../comm while a harness closes would
+    show up in the fd-leak check."""
     import threading
     from kvstore.threads import make_thread
     opened = []

@@ -1,4 +1,4 @@
-"""A device that fails costs only its blocks (issue 15, second milestone).
+"""A device that fails costs only its blocks.
 
 A store over three real, loop-mounted ext4 file systems served through vLLM's real
 scheduler and two worker connectors (TP 2, `kvstore.testing.EngineHarness`: every block

@@ -148,7 +148,7 @@ def test_layout_mismatch_names_field(store, tmp_path):
 
 
 def test_second_engine_attaches_and_exclusive_open_is_refused_with_pid(store):
-    """Engine processes share a store (issue 16): a second one attaches and reads what the
+    """Engine processes share a store: a second one attaches and reads what the
     first stored; an offline repair's exclusive open is refused, naming an engine's pid."""
     code = textwrap.dedent(f"""
         import sys

@@ -4,13 +4,12 @@ One server (CPU harness with the kvstore connector, 2 TP ranks, a store far smal
 than the workload so it evicts and rewrites slots all the time) runs in a child process
 for the whole module. Next to it: `kvstore fsck --deep` must report no false
 corruption, a second engine must attach and serve the server's blocks while the server
-keeps serving (issue 16), and `kvstore warmup` must refuse to write with a message that
-says what to do.
+keeps serving, and `kvstore warmup` must write into the store next to it.
 
 Covered elsewhere: fsck --deep next to a DiskStore writer and fsck --repair refused
-while one holds the lock (test_fsck.py::test_fsck_while_a_writer_serves); a second
-DiskStore writer refused with the pid (test_engine.py::
-test_second_writer_refused_with_pid_and_readonly_allowed).
+while one holds the lock (test_fsck.py::test_fsck_while_a_writer_serves); an exclusive
+open refused with an engine's pid (test_engine.py::
+test_second_engine_attaches_and_exclusive_open_is_refused_with_pid).
 """
 import json
 import os
@@ -120,7 +119,7 @@ def _documents(seed: int = 7) -> list[list[int]]:
 
 
 def test_second_engine_on_the_same_store_attaches_while_the_first_keeps_serving(server, tmp_path):
-    """Issue 16: a second engine (this process) attaches to the store the server is
+    """A second engine (this process) attaches to the store the server is
     serving; blocks the server stored are its hits, every loaded block verifies, and the
     server never notices. On shutdown its lease goes and its fds close."""
     from kvstore import shared
@@ -168,8 +167,8 @@ def test_second_engine_on_the_same_store_attaches_while_the_first_keeps_serving(
 
 
 def test_warmup_next_to_a_serving_engine_writes_and_the_server_keeps_serving(server, tmp_path):
-    """Issue 16: warmup attaches to the served store as one more engine (it used to be
-    refused with the server's pid); the server does not notice."""
+    """Warmup attaches to the served store as one more engine; the server does not
+    notice."""
     layout, _, _ = read_fingerprint(str(server.store))
     src = str(tmp_path / "src")
     with DiskStore.create(src, layout, "256K", io=True) as st:

@@ -338,7 +338,7 @@ def test_drain_yields_the_gil_after_an_empty_step_as_vllms_engine_core_does(monk
     """vLLM's EngineCore sleeps 1 ms after a step that ran no model while requests remain
     (waiting for their KV loads), so a connector's transfer threads get the GIL; the
     harness's drain does the same, or it would spin on empty steps and starve them (the
-    bench's load phase took 71 s instead of 5, docs/benchmarks.md stop 36)."""
+    bench's load-heavy phase takes 71 s instead of 5 without the pause, docs/benchmarks.md)."""
     import inspect
     import threading
     import time

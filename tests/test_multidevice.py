@@ -1,4 +1,4 @@
-"""One store over several devices (issue 15): slots striped over data directories, each on
+"""One store over several devices: slots striped over data directories, each on
 its own real, loop-mounted ext4 file system, one io_uring ring per device; the index,
 fingerprint and lock stay in the store directory."""
 from __future__ import annotations
@@ -293,8 +293,8 @@ def test_info_lists_every_device(tmp_path, disks):
     # free slot 3 back (free slots go first), so device 0 holds 7 - 1 used
     assert sum(d["used_slots"] for d in devs) == info["used_slots"] == 19
     assert [d["used_slots"] for d in devs] == [6, 7, 6]
-    # the in-flight reservation went back when the engine closed the store (issue 16:
-    # with other engines attached nobody else would reclaim it)
+    # the in-flight reservation went back when the engine closed the store (with other
+    # engines attached nobody else would reclaim it)
     assert info["reserved_slots"] == 0 and info["engines"] == []
     for d in devs:
         assert d["bytes_written"] >= 6 * SLOT * 2           # both ranks wrote there
@@ -360,7 +360,7 @@ def test_bench_io_over_several_dirs(big_disks):
     """`kvstore bench io --dir A,B,C --json`: totals and a per_device row per directory,
     every block read back verified, each ring's queue seen in flight (16 MiB, four queue
     depths, per device: a loop device over the page cache moves that in a few ms, which
-    the 0.5 ms queue sampler sees; 4 MiB per device was over before its first sample)."""
+    the 0.5 ms queue sampler sees; 4 MiB per device is over before its first sample)."""
     from click.testing import CliRunner
     from kvstore.cli import main
     disks = big_disks

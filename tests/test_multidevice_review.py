@@ -1,5 +1,7 @@
-"""Review of issue 15's stores over several devices: bugs found and their regression tests
-(real loop-mounted ext4, real rings, LMDB and files)."""
+"""Stores over several devices at their edges: a ring never driven by two threads, the
+store directory as a data directory, unmounted devices and mount points left alone by
+fsck and by creation, the patrol read's error rules (real loop-mounted ext4, real rings,
+LMDB and files)."""
 from __future__ import annotations
 
 import os
@@ -24,9 +26,10 @@ LAYOUT1 = Layout(model="tiny-llama", dtype="float16", block_size=16, block_bytes
 def test_single_device_chunks_never_share_a_ring_between_threads(tmp_path, disks):  # noqa: F811
     """With several devices the double buffer runs two ring ops at once; a chunk whose
     slots all live on one device (a store with the other devices fenced, or an LRU that
-    happens to hand out one device's slots) ran on the double buffer's own thread, so two
-    threads drove one io_uring at once: completions reaped by the wrong batch (writes
-    reported done while in flight, "short counts" of 61440 of 20480 bytes) and hangs."""
+    happens to hand out one device's slots) runs on that device's own thread too. Two
+    threads driving one io_uring at once would reap completions into the wrong batch
+    (writes reported done while in flight, "short counts" of 61440 of 20480 bytes) and
+    hang."""
     with DiskStore.create(str(tmp_path / "store"), LAYOUT1, 300 * SLOT, data_dirs=disks, io=True,
                           staging_bytes=16 * SLOT) as st:
         rio = st.ranks[0]
@@ -78,8 +81,8 @@ def test_single_device_chunks_never_share_a_ring_between_threads(tmp_path, disks
 
 def test_store_directory_as_a_data_directory_probes_usable(tmp_path, disks):  # noqa: F811
     """FORMAT: "a data directory can be the store directory itself"; creation writes no
-    marker there, and the start-up probe called it missing (an empty mount point), so
-    every scheduler start fenced device 0 and dropped its entries."""
+    marker there, and the start-up probe must not take it for a missing device (an empty
+    mount point): that would fence device 0 and drop its entries at every start."""
     store = tmp_path / "store"
     store.mkdir()
     dirs = [str(store), *disks[:2]]
@@ -97,9 +100,9 @@ def test_store_directory_as_a_data_directory_probes_usable(tmp_path, disks):  # 
 @pytest.mark.root
 def test_fsck_repair_leaves_an_empty_mount_point_alone(tmp_path):
     """A device unmounted with data_dirs naming its mount point leaves an empty directory:
-    fsck --repair took it for a device whose rank directory was deleted, recreated the
-    slot files on the root file system under the mount point and dropped every entry on
-    the device (valid again once it is mounted)."""
+    fsck --repair treats it as a missing device, never as one whose rank directory was
+    deleted (recreating the slot files on the root file system under the mount point and
+    dropping every entry on the device, valid again once it is mounted)."""
     mnts = [str(_loop_ext4(tmp_path, f"m{i}", 24)) for i in range(3)]
     try:
         store = str(tmp_path / "store")
@@ -121,10 +124,10 @@ def test_fsck_repair_leaves_an_empty_mount_point_alone(tmp_path):
 
 
 def test_engine_start_with_the_store_directory_unmounted_keeps_every_device(tmp_path, disks):  # noqa: F811
-    """The store directory on its own device, not mounted at start: ensure_store found no
-    kvstore.json, created the store again in the empty mount point, and the creation took
-    the data directories' markers (naming the same store path) for the leftovers of an
-    interrupted creation: it deleted every device's slot files."""
+    """The store directory on its own device, not mounted at start: ensure_store finds no
+    kvstore.json, and creation must refuse (naming the data directories' markers of the
+    same store path) instead of taking them for the leftovers of an interrupted creation
+    and deleting every device's slot files."""
     import pytest
 
     from kvstore import KVStoreError
@@ -149,7 +152,7 @@ def test_engine_start_with_the_store_directory_unmounted_keeps_every_device(tmp_
 
 def test_interrupted_creation_over_devices_is_cleaned_up(tmp_path, disks):  # noqa: F811
     """What a creation killed before its kvstore.json left on the devices (incomplete
-    markers, slot files) is still removed by the next creation."""
+    markers, slot files) is removed by the next creation."""
     import json
     store = str(tmp_path / "store")
     st = DiskStore.create(store, LAYOUT1, 30 * SLOT, data_dirs=disks, io=True, staging_bytes=1 << 20)
@@ -167,8 +170,8 @@ def test_interrupted_creation_over_devices_is_cleaned_up(tmp_path, disks):  # no
 @pytest.mark.root
 def test_fsck_repair_leaves_the_empty_mount_point_of_a_single_data_dir_alone(tmp_path):
     """data_dirs with one entry (the slots on one device apart from the store directory):
-    the missing-device check only ran with several devices, so --repair recreated the
-    files of an unmounted device on the root file system under its mount point."""
+    the missing-device check covers it too, so --repair never recreates the files of an
+    unmounted device on the root file system under its mount point."""
     mnt = str(_loop_ext4(tmp_path, "m0", 24))
     try:
         store = str(tmp_path / "store")

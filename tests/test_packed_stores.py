@@ -1,4 +1,4 @@
-"""Eager stores are planned packed (issue 14): the scheduler's walk makes no key per block.
+"""Eager stores are planned packed: the scheduler's walk makes no key per block.
 The store job carries vLLM's block hashes and (group, blocks) runs; the worker's I/O
 thread and the index thread make the keys. Real KeyTable, real vLLM scheduler, real store."""
 from __future__ import annotations

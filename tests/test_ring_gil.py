@@ -1,10 +1,11 @@
-"""The ring's submit/reap loop never takes the GIL (issue 14).
+"""The ring's submit/reap loop never takes the GIL.
 
 vLLM's step loop can spin holding the GIL (empty steps while requests wait for their
-loads). The liburing binding's entry points made the pump take the GIL after every
-io_uring_enter (Cython checks for a Python error after each call of a function declared
-without an exception value), so against such a thread each kernel call of a batch cost up
-to a switch interval. Here a thread spins in pure Python with the switch interval raised
+loads). Calling io_uring_enter through the liburing binding's entry points would make the
+pump take the GIL after every call (Cython checks for a Python error after each call of a
+function declared without an exception value), so against such a thread each kernel call
+of a batch would cost up to a switch interval: the pump calls csrc/kvstore_enter.h
+instead. Here a thread spins in pure Python with the switch interval raised
 to one second, so each GIL take by the ring thread costs about a second: a batch of N
 kernel calls that took the GIL would need N seconds; without it the batch costs its I/O
 plus the one or two GIL takes that entering and leaving it need. The check counts GIL takes
@@ -249,8 +250,8 @@ def test_an_enter_error_that_is_not_retried_raises_oserror_with_its_errno(tmp_pa
 # ------------------------------------------------------------------------------------------
 # The worker's load timeout while its I/O thread is copying a load into the KV cache. That
 # thread holds the load's lock during the copy (and, when the GIL is scarce, for as long as
-# the copy's GIL takes last), so the step thread used to skip the load at every look and
-# never time it out. The blocks of a copy in progress cannot go back to vLLM (it would
+# the copy's GIL takes last), so a step thread that skipped a locked load at every look
+# would never time it out. The blocks of a copy in progress cannot go back to vLLM (it would
 # compute into them, or reuse them, under the copy), so the load is marked at the deadline,
 # the I/O thread copies nothing more for it, and it is reported failed (vLLM recomputes
 # it) at the first look after the copy in progress.

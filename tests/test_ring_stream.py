@@ -1,4 +1,4 @@
-"""Streamed ring calls (issue 15): slot_io parts started on one ring while another is in
+"""Streamed ring calls: slot_io parts started on one ring while another is in
 flight, so the queue refills from the next part as the current one drains; the device
 thread that drives them (DeviceStream) and the batch loops that use it (RankIO)."""
 import threading
@@ -55,9 +55,9 @@ def test_two_parts_in_flight_move_and_check_every_slot(tmp_path):
         _fill(hb, range(96, 200), b_slots)
         # B's ops fill the room A's tail leaves: with A shorter than the depth (8), the
         # first fill already takes 3 of B, before A can be done, whatever the device.
-        # (Checked with A of 96 ops it depended on how completions were batched: on a
-        # device completing all 8 in flight at once, A's last refill could take all the
-        # room and A end before B got any; a fresh clone's run failed so.)
+        # (With A of 96 ops it would depend on how completions are batched: on a device
+        # completing all 8 in flight at once, A's last refill could take all the room and
+        # A end before B got any.)
         p5 = _start(ring, f, hb, 1, a_slots[:5], range(5))
         p20 = _start(ring, f, hb, 1, b_slots[:20], range(96, 116))
         ring.slot_io_finish(p5)
@@ -253,9 +253,10 @@ def test_batch_loops_start_the_next_chunk_before_the_last_one_drains(tmp_path, n
 
 
 def test_a_started_part_in_a_garbage_cycle_waits_for_its_ops(tmp_path):
-    """A part collected as part of a reference cycle: the collector used to clear its ring
-    and keys first, so its batch was freed under the kernel's in-flight ops while the
-    ring still listed it (the next pump crashed)."""
+    """A part collected as part of a reference cycle waits for its ops: parts are
+    no_gc_clear, since a collector that cleared its ring and keys first would free its
+    batch under the kernel's in-flight ops while the ring still lists it (the next pump
+    would crash)."""
     import gc
     f, hb, ring = _setup(tmp_path)
     try:

@@ -479,7 +479,7 @@ def test_sync_baseline_has_the_same_interface(tmp_path):
     ix.commit(items, tag=1)
     evs = ix.poll()
     assert [e.kind for e in evs] == ["committed"] and evs[0].error is None and evs[0].items == items
-    assert st.index.fsyncs_by_thread[threading.get_ident()] == 1   # the old design: here
+    assert st.index.fsyncs_by_thread[threading.get_ident()] == 1   # the synchronous baseline fsyncs here
     assert ix.lookup_pin(keys) == (slots, gens)
     st.close()
 

@@ -1,4 +1,4 @@
-"""Several engine processes on one store (issue 16), at the serving-index level: real
+"""Several engine processes on one store, at the serving-index level: real
 LMDB, real shared maps, real processes (multiprocessing, spawn). What one engine stores,
 another finds; a slot one engine has pinned is never evicted by another; a hit whose slot
 another engine evicted is never served; a killed engine's reservations are reclaimed by

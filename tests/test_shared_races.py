@@ -1,4 +1,4 @@
-"""Several engines on one store (issue 16), review: races between engine processes on the
+"""Several engines on one store: races between engine processes on the
 shared slot generations, the LMDB map and readers, and leases across fork. Real processes
 (spawn), real LMDB, real shared maps; nothing of the product is mocked."""
 from __future__ import annotations

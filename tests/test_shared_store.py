@@ -1,4 +1,4 @@
-"""Several engines on one store (issue 16), at the scheduler level: two and four engines,
+"""Several engines on one store, at the scheduler level: two and four engines,
 each a separate process (multiprocessing's fork server, see `_PRELOAD`) running vLLM's
 REAL scheduler and the connector's worker side over CPU KV tensors
 (`kvstore.testing.EngineHarness`), every block a request starts from verified byte for

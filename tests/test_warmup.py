@@ -365,8 +365,8 @@ def test_warmup_next_to_a_serving_engine(tmp_path, monkeypatch):
     """An engine process is attached to (and serving from) the destination: warmup
     attaches next to it (a lease of kind "warmup"), writes every block without evicting
     the engine's own, and the engine then reads the warmed blocks through its own
-    handle, byte-exact on every rank. The --model path no longer refuses a served store
-    either (the connector attaches the same way)."""
+    handle, byte-exact on every rank. The --model path attaches to a served store the same
+    way."""
     plist = prompts(10, seed=21)
     want = all_keys(plist)
     src = make_src(tmp_path / "src", plist, tp=2)
