@@ -348,6 +348,7 @@ def run(directory: str | None = None, chunk_tokens=(16, 64), size="1G", capacity
                             "manager_call_p99_us": _p99(run_.manager_us),
                             "load_misses": missed,
                             "data_path": getattr(run_.tier, "data_path", None),
+                            "registered": getattr(run_.tier, "registered", None),
                             # CPU s by thread over both phases (the main thread is the
                             # benchmark's scheduler: vLLM's manager and the tier's calls)
                             "cpu_s_by_thread": _cpu_split(th0, _thread_cpu()),

@@ -119,6 +119,11 @@ def parse_tier_options(options: dict) -> tuple[ConnectorConfig, bool, str | None
             f"kvstore tier: unknown secondary_tiers key(s) {unknown}; valid keys: "
             f"{sorted(STORE_KEYS + TIER_KEYS)} besides \"type\", \"module_path\" and "
             "\"backpressure\" (see docs/CONFIG.md, \"As a secondary tier\")")
+    if not isinstance(options.get("path"), str) or not options.get("path"):
+        raise ConfigError('kvstore tier: the secondary_tiers entry needs "path": the store '
+                          'directory on local NVMe, e.g. {"type": "KVStoreTier", "module_path": '
+                          '"kvstore.vllm.tier", "path": "/mnt/nvme/kvstore-tier", '
+                          '"capacity": "500G"}')
     cfg = ConnectorConfig.from_extra_config({k: options[k] for k in STORE_KEYS if k in options})
     events = options.get("enable_kv_events", False)
     if not isinstance(events, bool):
