@@ -572,3 +572,28 @@ def test_partial_load_reports_successful_keys(tmp_path):
         assert tier.lookup(keys[2], ctx) is LookupResult.MISS
     finally:
         tier.shutdown()
+
+
+def test_kvstore_tools_read_a_tier_store(engines, tmp_path):
+    """`kvstore info` and `kvstore fsck --deep` work on a tier's store: clean after
+    stores, and a flipped payload byte is found (the slot the tier would refuse)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kvstore.cli import main
+    keys = [key(i) for i in range(5)]
+    e = engines(tier_entry("kvstore", tmp_path))
+    e.store(keys)
+    e.close()
+    path = str(tmp_path / "kvstore")
+    r = CliRunner().invoke(main, ["info", path])
+    assert r.exit_code == 0 and "tier-chunk;" in r.output and "used 5 " in r.output
+    r = CliRunner().invoke(main, ["fsck", "--json", "--deep", "-q", path])
+    assert r.exit_code == 0, r.output
+    f, off = _kv_slot_payload_offset(path, keys[2])
+    _flip(f, off + 7)
+    r = CliRunner().invoke(main, ["fsck", "--json", "--deep", "-q", path])
+    assert r.exit_code != 0
+    doc = json.loads(r.output)
+    assert not doc["clean"] and doc["findings"], r.output
