@@ -428,14 +428,14 @@ def bench_ttft(lengths, samples, model, python, systems, directory, plot_path, a
 @click.option("--num-prefixes", default=8, show_default=True, type=click.IntRange(1, 10**5))
 @click.option("--num-prompts", default=48, show_default=True, type=click.IntRange(1, 10**6))
 @click.option("--output-len", default=16, show_default=True, type=click.IntRange(1, 10**5))
-@click.option("--documents", default=6, show_default=True, type=click.IntRange(1, 10**4))
-@click.option("--doc-tokens", default=2000, show_default=True, type=click.IntRange(32, 10**6))
+@click.option("--documents", default=8, show_default=True, type=click.IntRange(1, 10**4))
+@click.option("--doc-tokens", default=1500, show_default=True, type=click.IntRange(32, 10**6))
 @click.option("--questions", default=2, show_default=True, type=click.IntRange(1, 1000),
               help="Questions per document in the doc_qa query round.")
 @click.option("--no-reuse-prompts", default=12, show_default=True, type=click.IntRange(1, 10**6))
 @click.option("--kv-fraction", default=0.5, show_default=True, type=float,
-              help="vLLM's KV cache as a fraction of the reused working set (never below what the "
-                   "requests in flight need).")
+              help="vLLM's KV cache as a fraction of the reused working set (never below one "
+                   "request of max_model_len, which vLLM needs to start).")
 @click.option("--capacity", default="8G", show_default=True, help="kvstore's store capacity.")
 @click.option("--restart-all", is_flag=True, help="Run the restart phase for every system, not only kvstore.")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,

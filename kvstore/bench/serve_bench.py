@@ -158,12 +158,13 @@ class Bench:
         self.no_reuse_prompts = no_reuse_prompts
         self.capacity = capacity
         # The KV cache: `kv_fraction` of the largest reused working set (shared prefixes,
-        # documents), never less than the requests in flight need (vLLM preempts below that)
-        # nor one request of max_model_len (vLLM refuses to start).
+        # documents), never less than one request of max_model_len (vLLM refuses to start
+        # below that). Requests in flight that do not fit wait or are preempted, as on a
+        # real server with a cache too small (`preemptions` counts them).
         self.max_model_len = max(prefix_len + suffix_len, doc_tokens + 64) + output_len + 2 * BLOCK
         self.working_set = max(num_prefixes * prefix_len, documents * doc_tokens)
         need = concurrency * (self.max_model_len + BLOCK)
-        self.small_blocks = math.ceil(max(kv_fraction * self.working_set, need, self.max_model_len) / BLOCK)
+        self.small_blocks = math.ceil(max(kv_fraction * self.working_set, self.max_model_len) / BLOCK)
         # The ceiling holds every prompt token of the largest workload, plus the requests in flight.
         every = max(num_prefixes * prefix_len + num_prompts * (suffix_len + output_len),
                     documents * doc_tokens + documents * (1 + questions) * (64 + output_len),
@@ -297,7 +298,7 @@ class Bench:
 def run(*, model: str = "demo", python: str | None = None, systems: list[str] | None = None,
         workloads: list[str] | None = None, concurrency: int = 4, prefix_len: int = 1500,
         suffix_len: int = 32, num_prefixes: int = 8, num_prompts: int = 48, output_len: int = 16,
-        documents: int = 6, doc_tokens: int = 2000, questions: int = 2, no_reuse_prompts: int = 12,
+        documents: int = 8, doc_tokens: int = 1500, questions: int = 2, no_reuse_prompts: int = 12,
         kv_fraction: float = 0.5, capacity: str = "8G", restart_all: bool = False,
         directory: str | None = None, say=print) -> dict:
     systems = list(systems or SYSTEMS)
