@@ -152,3 +152,23 @@ def test_the_installed_vllm_passes_the_contract_check_for_every_kind(tmp_path, m
     spell_as_032(monkeypatch)
     check_vllm_contract(vc, _kv_cache_config(_full(), _swa()))
     assert layout_from_vllm(vc, _kv_cache_config(_full(), _swa())).groups == "full;swa:64"
+
+
+def test_mamba2_prefill_checkpoint_blocks_are_refused_without_blaming_speculative_decoding(tmp_path):
+    """vLLM's Mamba2 layers always ask for one prefill-checkpoint state block (0.32 and
+    0.33, `MambaMixer2.get_kv_cache_spec`); the refusal says so, and does not point the
+    user at a speculative-decoding setting they do not use."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvstore.vllm.config import layout_from_vllm
+    full = _full()
+    mamba = MambaSpec(block_size=16, shapes=((4, 64), (4, 16, 4)),
+                      dtypes=(torch.float16, torch.float32), mamba_cache_mode="align",
+                      page_size_padded=full.page_size_bytes, num_prefill_checkpoint_blocks=1)
+    with pytest.raises(ConfigError) as ei:
+        layout_from_vllm(_vllm_config(tmp_path), _kv_cache_config(full, mamba))
+    assert str(ei.value) == (
+        "kvstore: this model has 2 KV cache groups (1 FullAttentionSpec, 1 MambaSpec). kvstore "
+        "does not serve Mamba groups whose states vLLM checkpoints inside a prefill yet "
+        "(num_prefill_checkpoint_blocks=1, mamba_type MAMBA2; vLLM's Mamba2 layers always ask "
+        "for one): remove the kvstore connector for this model.")
