@@ -302,9 +302,12 @@ def warmup_cmd(store, prompts, from_store, model, capacity, engine_arg, all_bloc
               help="Rounds per system; medians are reported.")
 @click.option("--systems", default="kvstore,fs,fio", show_default=True,
               help="Comma-separated subset of: kvstore, fs, fio.")
+@click.option("--durability", default="fdatasync", show_default=True,
+              type=click.Choice(["fdatasync", "none"]),
+              help="The kvstore tier's durability (the fs tier never syncs).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of the table.")
 def bench_tier(directory, chunk_tokens, size, capacity, primary, job_tokens, step_ms,
-               queue_depth, rounds, systems, as_json):
+               queue_depth, rounds, systems, durability, as_json):
     """kvstore as a vLLM secondary tier vs vLLM's fs tier vs fio, behind vLLM's manager."""
     try:
         import vllm  # noqa: F401
@@ -323,7 +326,8 @@ def bench_tier(directory, chunk_tokens, size, capacity, primary, job_tokens, ste
     try:
         out = tier_bench.run(directory, tokens, size, capacity, primary, job_tokens, step_ms,
                              queue_depth, rounds, names,
-                             log=None if as_json else (lambda m: click.echo(m, err=True)))
+                             log=None if as_json else (lambda m: click.echo(m, err=True)),
+                             durability=durability)
     except (KVStoreError, OSError) as exc:
         _fail(exc)
     click.echo(json.dumps(out, indent=2) if as_json else tier_bench.format_table(out))
@@ -528,11 +532,15 @@ def bench_soak(requests, interval, capacity, second_sight, admission_window, see
 @click.option("--doc-tokens", default=3000, show_default=True, type=click.IntRange(32, 100000))
 @click.option("--sessions", default=3, show_default=True, type=click.IntRange(0, 100),
               help="Multi-turn chat sessions.")
+@click.option("--concurrency", default=4, show_default=True, type=click.IntRange(1, 256),
+              help="Requests in flight (each chat and each document is a lane; lanes run side by side).")
+@click.option("--sequential", is_flag=True, help="One request at a time (same as --concurrency 1).")
 @click.option("--simulated", is_flag=True,
               help="The scheduler-level replay instead (vLLM's scheduler with a stand-in model runner; "
                    "checks every loaded block byte for byte).")
 @click.option("--json", "as_json", is_flag=True)
-def demo(store, capacity, model, python, documents, doc_tokens, sessions, simulated, as_json):
+def demo(store, capacity, model, python, documents, doc_tokens, sessions, concurrency, sequential, simulated,
+         as_json):
     """Serve chats + shared documents with a real `vllm serve`, restart it, replay: hits from disk."""
     if simulated:
         from kvstore import demo_simulated as sim
@@ -548,7 +556,8 @@ def demo(store, capacity, model, python, documents, doc_tokens, sessions, simula
     say = (lambda *a: click.echo(*a, err=True)) if as_json else click.echo
     try:
         out = demo_mod.run(store=store, capacity=capacity, model=model, python=python,
-                           documents=documents, doc_tokens=doc_tokens, sessions=sessions, say=say)
+                           documents=documents, doc_tokens=doc_tokens, sessions=sessions,
+                           concurrency=1 if sequential else concurrency, say=say)
     except (KVStoreError, OSError) as exc:
         _fail(exc)
     click.echo(json.dumps(demo_mod.to_json(out), indent=2) if as_json else demo_mod.format_report(out))

@@ -125,7 +125,7 @@ class TierRun:
     """One tier behind vLLM's TieringOffloadingManager for one chunk size."""
 
     def __init__(self, system: str, directory: str, chunk_tokens: int, primary: int,
-                 capacity: int, queue_depth: int):
+                 capacity: int, queue_depth: int, durability: str = "fdatasync"):
         from vllm.v1.kv_offload.config import (
             OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
             OffloadingModelConfig, OffloadingParallelConfig,
@@ -138,7 +138,7 @@ class TierRun:
         if system == "kvstore":
             tier = {"type": "KVStoreTier", "module_path": "kvstore.vllm.tier",
                     "path": os.path.join(self.root, "store"), "capacity": capacity,
-                    "queue_depth": queue_depth}
+                    "queue_depth": queue_depth, "durability": durability}
         else:   # vLLM's defaults: 16 read + 16 write threads
             tier = {"type": "fs", "root_dir": self.root}
         bpc = chunk_tokens // BLOCK_TOKENS
@@ -291,7 +291,7 @@ def _fio(directory: str, size: int, block: int, qd: int) -> dict:
 
 def run(directory: str | None = None, chunk_tokens=(16, 64), size="1G", capacity=None,
         primary="256M", job_tokens: int = 1024, step_ms: float = 1.0, queue_depth: int = 32,
-        rounds: int = 1, systems=SYSTEMS, log=None) -> dict:
+        rounds: int = 1, systems=SYSTEMS, log=None, durability: str = "fdatasync") -> dict:
     """Run the benchmark; returns {"results": {chunk bytes: {system: {...}}}, "config",
     "targets"}."""
     import vllm
@@ -330,7 +330,8 @@ def run(directory: str | None = None, chunk_tokens=(16, 64), size="1G", capacity
                     if s == "fio":
                         samples[s].append(_fio(directory, nchunks * chunk, chunk, queue_depth))
                         continue
-                    run_ = TierRun(s, directory, tokens, primary_b, capacity_b, queue_depth)
+                    run_ = TierRun(s, directory, tokens, primary_b, capacity_b, queue_depth,
+                                   durability)
                     try:
                         th0 = _thread_cpu()
                         tw, cw = run_.store(nchunks, job, step_s)
@@ -376,7 +377,8 @@ def run(directory: str | None = None, chunk_tokens=(16, 64), size="1G", capacity
                    "layout": f"{LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM} x bf16 (K+V)",
                    "size": size_b, "kvstore_capacity": capacity_b, "primary": primary_b,
                    "job_tokens": job_tokens, "step_ms": step_ms, "queue_depth": queue_depth,
-                   "rounds": rounds, "vllm_version": vllm.__version__},
+                   "rounds": rounds, "kvstore_durability": durability,
+                   "vllm_version": vllm.__version__},
         "targets": targets(results),
     }
 

@@ -17,17 +17,19 @@ on), persistence across restarts, a layout fingerprint.
 Threads. vLLM calls every tier method on its scheduler thread (or its tier-poll thread)
 under the manager's lock. Here `lookup` is one probe of the in-memory table
 (`ServingIndex.contains`), `touch` queues an LRU update, and `submit_store` /
-`submit_load` only queue the job. Three kvstore threads do the rest:
+`submit_load` only queue the job. Four kvstore threads do the rest:
 
 - the **load thread** (`kvstore-tier-load`) takes every queued load job, pins the hits
   in the table, reads and verifies them with one ring batch (its own `RankIO`) straight
   into the primary chunks, unpins, drops the entries that failed and posts the results;
-- the **store thread** (`kvstore-tier-store`) takes every queued store job as one batch
-  (group commit): it skips chunks the store has or is storing, takes reserved slots from
-  the pool, writes header + payload straight from the primary chunks with one ring batch
-  and one fdatasync per slot file (its own `RankIO`), hands the commit to the index
-  thread and, once that commit is applied (an LMDB transaction and its fsync), posts the
-  jobs' results: a finished store is a hit;
+- the **store thread** (`kvstore-tier-store`) takes every queued store job as one batch:
+  it skips chunks the store has or is storing, takes reserved slots from the pool, and
+  writes header + payload straight from the primary chunks with one ring batch (its own
+  `RankIO`); the **sync thread** (`kvstore-tier-sync`) flushes the batches written by
+  then with one fdatasync per slot file while the store thread writes the next one, and
+  hands their commits to the index thread (group commit); once a commit is applied (an
+  LMDB transaction and its fsync) the store thread posts the jobs' results: a finished
+  store is a durable hit;
 - the **index thread** (`ServingIndex`) is the only LMDB writer: commits, LRU touches,
   drops, and the pool refill that evicts the least recently used entries.
 
@@ -283,6 +285,7 @@ class KVStoreTier(SecondaryTierManager):
         self._store_q: queue.SimpleQueue = queue.SimpleQueue()
         self._storing: set[bytes] = set()       # store thread only: keys written, not committed
         self._batches = 0                       # store thread only: commits in flight
+        self._sync_q: queue.SimpleQueue = queue.SimpleQueue()   # written, to flush + commit
         self._fenced: set[int] = set()
         self._warned: set[str] = set()
         self._counts = {"hits": 0, "loaded": 0, "read": 0, "written": 0, "verify": 0,
@@ -322,6 +325,9 @@ class KVStoreTier(SecondaryTierManager):
                 make_thread(self._store_loop, "kvstore-tier-store", cfg.thread_cpus,
                             nice=cfg.io_thread_nice),
             ]
+            self._sync_thread = make_thread(self._sync_loop, "kvstore-tier-sync",
+                                            cfg.thread_cpus, nice=cfg.io_thread_nice)
+            self._threads.append(self._sync_thread)
             for t in self._threads:
                 t.start()
         except BaseException:
@@ -655,6 +661,10 @@ class KVStoreTier(SecondaryTierManager):
                                 self._finish(JobResult(job_id=job.job_id, success=False))
             self._poll_index()
             if stop:
+                if not stopping:
+                    self._sync_q.put(None)     # the sync thread flushes and commits the rest
+                    self._sync_thread.join(timeout=120)
+                    self._poll_index()
                 stopping = True
                 if not self._batches:
                     return
@@ -731,14 +741,51 @@ class KVStoreTier(SecondaryTierManager):
         if n:
             self._storing.update(keys[:n])
             self._batches += 1
-            sidx.commit_blocks(keys[:n], slots, gens, sorted(i for i in failed if i < n),
-                               tag=batch, keys_back=self._events_on)
+            # flushed and committed by the sync thread while this one writes the next batch
+            self._sync_q.put((batch, keys[:n], slots, gens))
         else:
             self._complete(batch, None)
 
+    def _sync_loop(self) -> None:
+        """Make written batches durable and hand them to the index thread, in order.
+
+        Every batch queued by then shares one fdatasync per slot file (the store thread
+        goes on writing the next batch meanwhile, so the device is not idle while it
+        flushes); a batch's chunks are committed only once their file is flushed, and a
+        failed flush fails every chunk of its file."""
+        rio = self._rio_store
+        durable = self.cfg.durability != "none"
+        while True:
+            items, stop = self._take(self._sync_q, None)
+            if items and durable:
+                fds_of = []
+                touched: set[int] = set()
+                for batch, keys, slots, gens in items:
+                    ok = [i for i in range(len(keys)) if i not in batch.failed]
+                    fds = rio._locate([slots[i] for i in ok])[0].tolist() if ok else []
+                    fds_of.append((ok, fds))
+                    touched.update(fds)
+                bad: dict[int, OSError] = {}
+                for fd in sorted(touched):
+                    try:
+                        os.fdatasync(fd)
+                    except OSError as exc:
+                        bad[fd] = exc
+                for (batch, keys, _, _), (ok, fds) in zip(items, fds_of):
+                    for i, fd in zip(ok, fds):
+                        if fd in bad:
+                            batch.failed.add(i)
+                            log.warning("kvstore tier: flushing chunk %s failed (%s)",
+                                        keys[i][:-4].hex()[:16], bad[fd])
+            for batch, keys, slots, gens in items:
+                self._sidx.commit_blocks(keys, slots, gens, sorted(batch.failed & set(range(len(keys)))),
+                                         tag=batch, keys_back=self._events_on)
+            if stop:
+                return
+
     def _write(self, refs: SlotRefs, src: list[int]) -> list:
         rio, row = self._rio_store, self.row
-        durable = self.cfg.durability != "none"
+        durable = False     # flushed by the sync thread (`_sync_loop`)
         if self.data_path == "direct":
             addrs = np.uint64(self._base) + np.asarray(src, dtype=np.uint64) * np.uint64(row)
             return rio.write_at(refs, addrs, durable=durable)
