@@ -393,7 +393,8 @@ def bench_connector(index_entries, requests, prompt_tokens, baseline, directory,
 @click.option("--lengths", default="1000,4000,8000", show_default=True, help="Prefix lengths in tokens.")
 @click.option("--samples", default=3, show_default=True, type=click.IntRange(1, 100),
               help="Distinct prompts per length.")
-@click.option("--model", default="demo", show_default=True, type=click.Choice(["demo", "tiny"]))
+@click.option("--model", default="demo", show_default=True,
+              type=click.Choice(["demo", "tiny", "demo-gemma2", "tiny-gemma2"]))
 @click.option("--python", "python", default=None, help="Python whose vLLM serves (see `kvstore demo`).")
 @click.option("--systems", default=None,
               help="Comma-separated subset of: kvstore and the peers (default: all).")
@@ -424,7 +425,8 @@ def bench_ttft(lengths, samples, model, python, systems, directory, plot_path, a
               "offload-fs (default: all; a system that cannot start on this engine is listed with its error).")
 @click.option("--workloads", default=None, help="Comma-separated subset of: prefix_repetition, doc_qa, "
               "no_reuse (default: all).")
-@click.option("--model", default="demo", show_default=True, type=click.Choice(["demo", "tiny"]))
+@click.option("--model", default="demo", show_default=True,
+              type=click.Choice(["demo", "tiny", "demo-gemma2", "tiny-gemma2"]))
 @click.option("--python", "python", default=None, help="Python whose vLLM serves (see `kvstore demo`).")
 @click.option("--concurrency", default=4, show_default=True, type=click.IntRange(1, 1024), help="Requests in flight.")
 @click.option("--prefix-len", default=1500, show_default=True, type=click.IntRange(32, 10**6))
@@ -523,8 +525,9 @@ def bench_soak(requests, interval, capacity, second_sight, admission_window, see
               help="Keep the store in this directory (default: a temporary one, removed after).")
 @click.option("--capacity", default="4G", show_default=True, help="Store capacity when creating it.")
 @click.option("--model", default="demo", show_default=True,
-              help="'demo' (about 175M parameters, made here on first use), 'tiny', or a model "
-                   "directory made by kvstore.")
+              help="'demo' (about 175M parameters, made here on first use), 'tiny', their "
+                   "Gemma 2 versions 'demo-gemma2' and 'tiny-gemma2' (a sliding window on every "
+                   "other layer: a hybrid model), or a model directory made by kvstore.")
 @click.option("--python", "python", default=None,
               help="Python whose vLLM serves (default: this one if its vLLM runs here, else "
                    ".venv-engine from `make engine`).")

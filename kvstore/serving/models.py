@@ -82,7 +82,11 @@ DEMO = ModelSpec("demo", hidden_size=768, num_layers=24, num_heads=12, num_kv_he
 # size), so prompts of a few hundred tokens reach far past the window.
 TINY_GEMMA2 = ModelSpec("tiny-gemma2", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                         intermediate_size=256, vocab_words=4000, arch="gemma2", sliding_window=64)
-SPECS = {s.name: s for s in (TINY, DEMO, TINY_GEMMA2)}
+# The demo's and `kvstore bench ttft`'s hybrid model: DEMO's size as a Gemma 2 whose
+# sliding-window layers see the last 1024 tokens of prompts of several thousand.
+DEMO_GEMMA2 = ModelSpec("demo-gemma2", hidden_size=768, num_layers=24, num_heads=12, num_kv_heads=4,
+                        intermediate_size=2048, vocab_words=16000, arch="gemma2", sliding_window=1024)
+SPECS = {s.name: s for s in (TINY, DEMO, TINY_GEMMA2, DEMO_GEMMA2)}
 ARCHS = ("llama", "gemma2")
 
 
