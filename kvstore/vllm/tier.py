@@ -28,8 +28,8 @@ under the manager's lock. Here `lookup` is one probe of the in-memory table
   `RankIO`); the **sync thread** (`kvstore-tier-sync`) flushes the batches written by
   then with one fdatasync per slot file while the store thread writes the next one, and
   hands their commits to the index thread (group commit); once a commit is applied (an
-  LMDB transaction and its fsync) the store thread posts the jobs' results: a finished
-  store is a durable hit;
+  LMDB transaction and its fsync) it posts the jobs' results: a finished store is a
+  durable hit. It is the one thread that takes the index thread's outcomes;
 - the **index thread** (`ServingIndex`) is the only LMDB writer: commits, LRU touches,
   drops, and the pool refill that evicts the least recently used entries.
 
@@ -283,8 +283,9 @@ class KVStoreTier(SecondaryTierManager):
         self._events: deque = deque()
         self._load_q: queue.SimpleQueue = queue.SimpleQueue()
         self._store_q: queue.SimpleQueue = queue.SimpleQueue()
-        self._storing: set[bytes] = set()       # store thread only: keys written, not committed
-        self._batches = 0                       # store thread only: commits in flight
+        self._storing: set[bytes] = set()       # keys written, not committed (store thread adds,
+        #                                          the sync thread removes once committed)
+        self._batches = 0                       # sync thread only: commits in flight
         self._sync_q: queue.SimpleQueue = queue.SimpleQueue()   # written, to flush + commit
         self._fenced: set[int] = set()
         self._warned: set[str] = set()
@@ -638,13 +639,8 @@ class KVStoreTier(SecondaryTierManager):
 
     # -- stores -------------------------------------------------------------------------
     def _store_loop(self) -> None:
-        stopping = False
         while True:
-            if stopping:
-                jobs, stop = [], True
-            else:
-                # commits in flight: come back soon for their outcome
-                jobs, stop = self._take(self._store_q, 0.002 if self._batches else 0.05)
+            jobs, stop = self._take(self._store_q, None)
             if jobs:
                 if self.closed:
                     for job in jobs:
@@ -659,23 +655,9 @@ class KVStoreTier(SecondaryTierManager):
                         for job in jobs:
                             if job.job_id not in queued:
                                 self._finish(JobResult(job_id=job.job_id, success=False))
-            self._poll_index()
             if stop:
-                if not stopping:
-                    self._sync_q.put(None)     # the sync thread flushes and commits the rest
-                    self._sync_thread.join(timeout=120)
-                    self._poll_index()
-                stopping = True
-                if not self._batches:
-                    return
-                try:
-                    self._sidx.flush(timeout=60.0)   # the commits in flight are applied
-                except KVStoreError as exc:
-                    self._warn("the last commits", exc)
-                    return
-                self._poll_index()
-                if self._batches:   # (a commit the index thread could not apply)
-                    return
+                self._sync_q.put(None)     # the sync thread flushes and commits the rest
+                return
 
     def _store_batch(self, jobs: list[TransferJob], queued: set[int]) -> None:
         t0 = time.perf_counter()
@@ -740,23 +722,26 @@ class KVStoreTier(SecondaryTierManager):
         n = len(slots)
         if n:
             self._storing.update(keys[:n])
-            self._batches += 1
             # flushed and committed by the sync thread while this one writes the next batch
             self._sync_q.put((batch, keys[:n], slots, gens))
         else:
             self._complete(batch, None)
 
     def _sync_loop(self) -> None:
-        """Make written batches durable and hand them to the index thread, in order.
+        """Make written batches durable and hand them to the index thread, in order, and
+        take the index thread's outcomes (the only thread that polls it).
 
         Every batch queued by then shares one fdatasync per slot file (the store thread
         goes on writing the next batch meanwhile, so the device is not idle while it
         flushes); a batch's chunks are committed only once their file is flushed, and a
-        failed flush fails every chunk of its file."""
+        failed flush fails every chunk of its file. A committed batch's jobs are reported
+        here, within a millisecond of the commit (not after the store thread's next
+        write)."""
         rio = self._rio_store
         durable = self.cfg.durability != "none"
         while True:
-            items, stop = self._take(self._sync_q, None)
+            # commits in flight: come back soon for their outcome
+            items, stop = self._take(self._sync_q, 0.001 if self._batches else 0.05)
             if items and durable:
                 fds_of = []
                 touched: set[int] = set()
@@ -778,9 +763,17 @@ class KVStoreTier(SecondaryTierManager):
                             log.warning("kvstore tier: flushing chunk %s failed (%s)",
                                         keys[i][:-4].hex()[:16], bad[fd])
             for batch, keys, slots, gens in items:
+                self._batches += 1
                 self._sidx.commit_blocks(keys, slots, gens, sorted(batch.failed & set(range(len(keys)))),
                                          tag=batch, keys_back=self._events_on)
+            self._poll_index()
             if stop:
+                if self._batches:
+                    try:
+                        self._sidx.flush(timeout=60.0)   # the commits in flight are applied
+                    except KVStoreError as exc:
+                        self._warn("the last commits", exc)
+                    self._poll_index()
                 return
 
     def _write(self, refs: SlotRefs, src: list[int]) -> list:
