@@ -356,10 +356,16 @@ def _forking_engine(path, out, go):
     reserves slots and waits to be killed."""
     st = DiskStore(path)
     refs, _ = st.reserve([k(i, b"f") for i in range(3)])
+    r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
+        # fork() returned here: the store's after-fork handler (the lease's lock let go) ran.
+        os.write(w, b"x")
         time.sleep(120)
         os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"x"        # not before the child is past its after-fork handler
+    os.close(r)
     out.put(("forked", os.getpid(), pid))
     go.get(timeout=120)
 
