@@ -10,9 +10,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_bench_peers_over_two_dirs(tmp_path):
     dirs = [str(tmp_path / "dev0"), str(tmp_path / "dev1")]
     for d in dirs:

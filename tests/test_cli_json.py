@@ -45,8 +45,10 @@ ARGS = {
     ("bench", "ttft"): ["--model", "tiny", "--lengths", "64", "--samples", "1", "--systems", "kvstore"],
 }
 MAY_FAIL = {("bench", "soak")}
-# The commands that start real servers (marker e2e).
+# The commands that start real servers (marker e2e), and those that run for half a minute
+# or more here (marker slow).
 SERVES = {("demo",), ("bench", "ttft")}
+SLOW = {("bench", "soak"), ("bench", "connector"), ("bench", "peers")}
 
 
 def _json_commands(group: click.Group, prefix=()):
@@ -76,7 +78,8 @@ def stores(tmp_path_factory):
     return {"src": src, "dst": dst}
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.e2e] if p in SERVES else [])
+@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.e2e] * (p in SERVES)
+                                                 + [pytest.mark.slow] * (p in SLOW))
                                   for p in sorted(ARGS)], ids=lambda p: "-".join(p))
 def test_json_output_parses_as_one_object(path, stores, tmp_path):
     args = [a.format(**stores) for a in ARGS[path]]

@@ -14,6 +14,7 @@ import time
 import zlib
 
 import numpy as np
+import pytest
 
 from kvstore.engine import DiskStore
 from kvstore.layout import Layout
@@ -45,6 +46,7 @@ def payload(key, rank):
     return ((np.arange(BB, dtype=np.uint32) * (h % 251 + 1) + h) % 256).astype(np.uint8)
 
 
+@pytest.mark.slow
 def test_sigkill_while_storing_twenty_times(tmp_path, fd_leak_check):
     path = str(tmp_path / "store")
     DiskStore.create(path, LAYOUT, 48 * (BB + 4096) * 2).close()  # small: evictions happen

@@ -28,6 +28,9 @@ from fault_util import REPO, Zygote, fsck_json, progress
 from kvstore.engine import DiskStore
 from kvstore.layout import read_fingerprint
 
+# One zygote server for the module, started in ~50 s: the module is slow as a whole.
+pytestmark = pytest.mark.slow
+
 
 class Server:
     def __init__(self, tmp):

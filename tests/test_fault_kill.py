@@ -39,6 +39,7 @@ def _lines_until_loaded(zygote, timeout: float = 300) -> list[str]:
     raise AssertionError(f"the server loaded nothing in {timeout:.0f} s\n{zygote.log_tail()}")
 
 
+@pytest.mark.slow
 def test_sigkill_while_serving_twenty_times(tmp_path, zygote):
     store = tmp_path / "store"
     rng = random.Random(20251129)

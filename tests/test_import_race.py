@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -18,6 +20,7 @@ def _spawn(code):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_many_processes_import_the_core_at_once():
     # Without the lock, 16 processes x 10 rounds of a plain `import liburing` died 3 times
     # here: 8 rounds of 16 catch a regression ~9 times in 10.

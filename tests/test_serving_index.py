@@ -484,6 +484,7 @@ def test_sync_baseline_has_the_same_interface(tmp_path):
     st.close()
 
 
+@pytest.mark.slow
 def test_the_connector_never_imports_the_maintenance_module():
     code = ("import sys; import kvstore.vllm.connector, kvstore.vllm.scheduler, "
             "kvstore.vllm.worker, kvstore.serving_index; "
