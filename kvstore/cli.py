@@ -429,16 +429,16 @@ def bench_ttft(lengths, samples, model, python, systems, directory, plot_path, a
               type=click.Choice(["demo", "tiny", "demo-gemma2", "tiny-gemma2"]))
 @click.option("--python", "python", default=None, help="Python whose vLLM serves (see `kvstore demo`).")
 @click.option("--concurrency", default=4, show_default=True, type=click.IntRange(1, 1024), help="Requests in flight.")
-@click.option("--prefix-len", default=1500, show_default=True, type=click.IntRange(32, 10**6))
+@click.option("--prefix-len", default=1000, show_default=True, type=click.IntRange(32, 10**6))
 @click.option("--suffix-len", default=32, show_default=True, type=click.IntRange(1, 10**6))
-@click.option("--num-prefixes", default=8, show_default=True, type=click.IntRange(1, 10**5))
-@click.option("--num-prompts", default=48, show_default=True, type=click.IntRange(1, 10**6))
+@click.option("--num-prefixes", default=6, show_default=True, type=click.IntRange(1, 10**5))
+@click.option("--num-prompts", default=24, show_default=True, type=click.IntRange(1, 10**6))
 @click.option("--output-len", default=16, show_default=True, type=click.IntRange(1, 10**5))
-@click.option("--documents", default=8, show_default=True, type=click.IntRange(1, 10**4))
-@click.option("--doc-tokens", default=1500, show_default=True, type=click.IntRange(32, 10**6))
+@click.option("--documents", default=6, show_default=True, type=click.IntRange(1, 10**4))
+@click.option("--doc-tokens", default=1000, show_default=True, type=click.IntRange(32, 10**6))
 @click.option("--questions", default=2, show_default=True, type=click.IntRange(1, 1000),
               help="Questions per document in the doc_qa query round.")
-@click.option("--no-reuse-prompts", default=12, show_default=True, type=click.IntRange(1, 10**6))
+@click.option("--no-reuse-prompts", default=8, show_default=True, type=click.IntRange(1, 10**6))
 @click.option("--kv-fraction", default=0.5, show_default=True, type=float,
               help="vLLM's KV cache as a fraction of the reused working set (never below one "
                    "request of max_model_len, which vLLM needs to start).")

@@ -296,9 +296,9 @@ class Bench:
 
 
 def run(*, model: str = "demo", python: str | None = None, systems: list[str] | None = None,
-        workloads: list[str] | None = None, concurrency: int = 4, prefix_len: int = 1500,
-        suffix_len: int = 32, num_prefixes: int = 8, num_prompts: int = 48, output_len: int = 16,
-        documents: int = 8, doc_tokens: int = 1500, questions: int = 2, no_reuse_prompts: int = 12,
+        workloads: list[str] | None = None, concurrency: int = 4, prefix_len: int = 1000,
+        suffix_len: int = 32, num_prefixes: int = 6, num_prompts: int = 24, output_len: int = 16,
+        documents: int = 6, doc_tokens: int = 1000, questions: int = 2, no_reuse_prompts: int = 8,
         kv_fraction: float = 0.5, capacity: str = "8G", restart_all: bool = False,
         directory: str | None = None, say=print) -> dict:
     systems = list(systems or SYSTEMS)
