@@ -30,7 +30,10 @@ Per chunk size (16- and 64-token chunks of a 7B-class layout by default: 32 laye
 - fio: io_uring, one job, O_DIRECT, queue depth 32, block = chunk bytes, `--size` written
   then read (the device's practical limit).
 
-GB = 1e9 bytes of chunk payload.
+kvstore's slot files are written once before timing (zeros), as `kvstore bench peers`
+does: a store in service has been written, while a fresh one pays the file system's
+conversion of preallocated extents on its first writes. The fs tier's files are new ones
+either way (a file per chunk). GB = 1e9 bytes of chunk payload.
 """
 from __future__ import annotations
 
@@ -169,6 +172,8 @@ class TierRun:
             n = min(len(pattern), len(flat) - off)
             flat[off:off + n] = pattern[:n]
         del flat
+        if system == "kvstore":
+            self._prewrite(os.path.join(self.root, "store"))
         self.tier_us: list[float] = []
         self.process_cpu = 0.0          # every thread's CPU s over the timed phases
         self.manager_us: list[float] = []
@@ -176,6 +181,23 @@ class TierRun:
             fn = getattr(self.tier, name, None)
             if fn is not None:
                 setattr(self.tier, name, _Timed(fn, self.tier_us))
+
+    @staticmethod
+    def _prewrite(store: str) -> None:
+        """Write the new store's slot files once, before timing (zeros: empty slots), as
+        `bench peers` does: a store in service has been written, while a fresh one pays
+        the file system's conversion of preallocated (unwritten) extents on first writes."""
+        import glob
+        buf = np.zeros(8 << 20, dtype=np.uint8)
+        for path in glob.glob(os.path.join(store, "rank*", "slots-*.kvs")):
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                size = os.fstat(fd).st_size
+                for off in range(0, size, len(buf)):
+                    os.pwrite(fd, memoryview(buf)[:min(len(buf), size - off)], off)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def _call(self, fn, *a):
         t = time.perf_counter_ns()
