@@ -79,7 +79,8 @@ def run(lengths=(1000, 4000, 8000), samples: int = 3, model: str = "demo", pytho
     workdir = tempfile.mkdtemp(prefix="kvstore-bench-ttft-", dir=directory)
     rng = random.Random(99)
     prompts = {n: [words(spec, n, rng) for _ in range(samples)] for n in lengths}
-    # A KV cache that holds the longest prompt, not all of them: later prompts evict earlier ones.
+    # A KV cache that holds the longest prompt, not all of them: later prompts evict earlier
+    # ones. A hybrid model's groups share the blocks: each group gets that many.
     gpu_blocks = (max(lengths) + 2047) // 32 + 8
     all_systems = {"kvstore": connector_config(os.path.join(workdir, "kvstore"), capacity="8G"),
                    **peers(workdir)}
@@ -98,7 +99,8 @@ def run(lengths=(1000, 4000, 8000), samples: int = 3, model: str = "demo", pytho
         log_i += 1
         return VLLMServer(model=model_dir, python=python, kv_transfer_config=kv, dtype="bfloat16",
                           log_path=os.path.join(workdir, f"server-{log_i}.log"), max_model_len=max(lengths) + 256,
-                          kv_cache_gib=1, extra_args=["--num-gpu-blocks-override", str(gpu_blocks)])
+                          kv_cache_gib=1,
+                          extra_args=["--num-gpu-blocks-override", str(gpu_blocks * spec.kv_cache_groups)])
 
     try:
         for name in chosen:

@@ -1,9 +1,10 @@
 """Random-weight models made on this machine, for the real-engine demo, bench and tests.
 
 The model hub is out of reach, so kvstore makes its own: a Llama with random weights
-(transformers `LlamaForCausalLM`, a fixed seed, `save_pretrained`), or a Gemma 2 (sliding-
+(transformers `LlamaForCausalLM`, a fixed seed, `save_pretrained`), a Gemma 2 (sliding-
 window attention on every other layer: a hybrid model, full-attention and sliding-window
-KV cache groups in vLLM), and a word-level
+KV cache groups in vLLM) or an LFM2 (short-convolution layers between attention layers: a
+hybrid whose conv layers keep a state in a Mamba KV cache group), and a word-level
 tokenizer trained locally with `tokenizers` over a fixed synthetic vocabulary, with a chat
 template, so `vllm serve DIR` serves it exactly as it serves a downloaded model (text and
 chat prompts through the OpenAI API). One word of the vocabulary is one token, which makes
@@ -47,13 +48,21 @@ class ModelSpec:
     initializer_range: float = 0.02
     # Bumped when the generator changes what it writes, so old directories are remade.
     format: int = 1
-    # "llama", or "gemma2": layers 0, 2, ... attend to the last `sliding_window` tokens only.
+    # "llama"; "gemma2": layers 0, 2, ... attend to the last `sliding_window` tokens only;
+    # "lfm2": layers 0, 2, ... are short convolutions (a state per request), 1, 3, ... attention.
     arch: str = "llama"
     sliding_window: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def kv_cache_groups(self) -> int:
+        """vLLM's KV cache groups for this model: one for a Llama; a Gemma 2's full-attention
+        and sliding-window layers, an LFM2's attention and conv layers, two. The groups
+        share vLLM's block pool, so a KV cache of N blocks gives each group N / groups."""
+        return 1 if self.arch == "llama" else 2
 
     def approx_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_words + len(SPECIALS)
@@ -86,8 +95,12 @@ TINY_GEMMA2 = ModelSpec("tiny-gemma2", hidden_size=128, num_layers=4, num_heads=
 # sliding-window layers see the last 1024 tokens of prompts of several thousand.
 DEMO_GEMMA2 = ModelSpec("demo-gemma2", hidden_size=768, num_layers=24, num_heads=12, num_kv_heads=4,
                         intermediate_size=2048, vocab_words=16000, arch="gemma2", sliding_window=1024)
-SPECS = {s.name: s for s in (TINY, DEMO, TINY_GEMMA2, DEMO_GEMMA2)}
-ARCHS = ("llama", "gemma2")
+# Tests of Mamba-style hybrids: TINY's size as an LFM2 (vLLM's CPU build runs its short
+# convolutions; its Mamba1/Mamba2 kernels it does not have, docs/CONFIG.md).
+TINY_LFM2 = ModelSpec("tiny-lfm2", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                      intermediate_size=256, vocab_words=4000, arch="lfm2")
+SPECS = {s.name: s for s in (TINY, DEMO, TINY_GEMMA2, DEMO_GEMMA2, TINY_LFM2)}
+ARCHS = ("llama", "gemma2", "lfm2")
 
 
 def default_dir(name: str) -> str:
@@ -210,6 +223,17 @@ def _write_weights(spec: ModelSpec, out: str) -> None:
                          for i in range(spec.num_layers)],
             tie_word_embeddings=True)
         cls = Gemma2ForCausalLM
+    elif spec.arch == "lfm2":
+        from transformers import Lfm2Config, Lfm2ForCausalLM
+        # conv_dim and block_dim: read by vLLM 0.32's LFM2 (lfm2.py), not written by
+        # this transformers' Lfm2Config.
+        cfg = Lfm2Config(
+            **common, norm_eps=1e-5, conv_L_cache=3, conv_dim=spec.hidden_size,
+            block_dim=spec.hidden_size, block_multiple_of=256, block_ffn_dim_multiplier=1.0,
+            block_auto_adjust_ff_dim=False,
+            layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)],
+            tie_word_embeddings=True)
+        cls = Lfm2ForCausalLM
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
         cfg = LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
