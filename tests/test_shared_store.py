@@ -308,6 +308,7 @@ def wait_reaped(path, dead: Engine, alive: list[Engine], timeout=300.0) -> None:
 
 # ------------------------------------------------------------------------- tests
 
+@pytest.mark.slow
 def test_two_engines_load_what_the_other_stored(engines):
     a, b = engines(2)
     pa, pb = prompts(100, 6, L), prompts(101, 6, L)
