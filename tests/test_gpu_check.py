@@ -10,9 +10,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_gpu_check_correctness_sections_pass_on_cpu(tmp_path):
     out = tmp_path / "out"
     (tmp_path / "stores").mkdir()
