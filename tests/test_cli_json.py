@@ -36,6 +36,8 @@ ARGS = {
     ("bench", "soak"): ["--requests", "40", "--interval", "20"],
     ("bench", "peers"): ["--size", "16M", "--block-sizes", "128K", "--rounds", "1", "--samples",
                          "2", "--prefix-blocks", "16"],
+    ("bench", "tier"): ["--size", "16M", "--primary", "8M", "--chunk-tokens", "16",
+                        "--job-tokens", "32"],
     ("info",): ["{src}"],
     ("fsck",): ["{src}"],
     ("warmup",): ["{dst}", "--from-store", "{src}", "--all"],
