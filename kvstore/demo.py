@@ -2,10 +2,12 @@
 
 Starts vLLM's OpenAI-compatible server with a real model (a random-weight Llama of about
 175M parameters made on this machine, `kvstore.serving.models`) and the kvstore connector,
-sends multi-turn chats and questions over shared documents through the `openai` client,
-stops the server, starts a new one on the same store and sends the same traffic again.
-Prints the time to first token cold and after the restart, the prompt tokens that came
-from disk, and whether every completion matched the first run token for token.
+sends multi-turn chats and questions over shared documents through the `openai` client
+(several requests in flight: each chat and each document is a lane of its own, lanes run
+side by side; `concurrency=1` replays them one at a time), stops the server, starts a new
+one on the same store and sends the same traffic again. Prints the time to first token and
+the throughput (requests/s, output tokens/s) cold and after the restart, the prompt tokens
+that came from disk, and whether every completion matched the first run token for token.
 
 The engine is vLLM's CUDA build where it has a GPU, else its CPU build (`make engine`).
 `kvstore demo --simulated` is the older scheduler-level replay (`kvstore.demo_simulated`).
@@ -61,7 +63,7 @@ def prepare_model(model: str, python: str) -> tuple[str, ModelSpec]:
 
 def serve_and_replay(label: str, workload: Workload, *, model_dir: str, store: str, python: str,
                      log_path: str, capacity: str, kv_cache_gib: int, max_tokens: int,
-                     say=print) -> dict:
+                     concurrency: int = 4, say=print) -> dict:
     """One server lifetime: start, replay the workload, read the metrics, stop."""
     t0 = time.perf_counter()
     server = VLLMServer(model=model_dir, log_path=log_path, python=python, kv_cache_gib=kv_cache_gib,
@@ -70,7 +72,7 @@ def serve_and_replay(label: str, workload: Workload, *, model_dir: str, store: s
     with server:
         start_s = time.perf_counter() - t0
         say(f"[{label}] vllm serve up in {start_s:.0f} s ({server.engine}); "
-            f"{len(workload.requests)} requests")
+            f"{len(workload.requests)} requests, {concurrency} in flight")
         client = Client(server.url)
         # One short request first, as an operator's readiness probe would: the first forward
         # of a fresh engine process pays one-time set-up that is not prefill or loading.
@@ -79,7 +81,12 @@ def serve_and_replay(label: str, workload: Workload, *, model_dir: str, store: s
 
         def on_done(req, c):
             say(f"[{label}]   {req.name:<14} {c.prompt_tokens:>6} prompt tokens  TTFT {c.ttft_s * 1000:8.1f} ms")
-        comps = workload.replay(client, max_tokens=max_tokens, on_done=on_done)
+        t_replay = time.perf_counter()
+        if concurrency > 1:
+            comps = workload.replay_concurrent(server.url, concurrency, max_tokens=max_tokens, on_done=on_done)
+        else:
+            comps = workload.replay(client, max_tokens=max_tokens, on_done=on_done)
+        replay_s = time.perf_counter() - t_replay
         after = server.metrics()
         engine = server.engine
 
@@ -92,6 +99,10 @@ def serve_and_replay(label: str, workload: Workload, *, model_dir: str, store: s
         "engine": engine,
         "server_start_s": round(start_s, 1),
         "requests": len(comps),
+        "concurrency": concurrency,
+        "replay_s": replay_s,
+        "throughput_rps": len(comps) / replay_s,
+        "output_tps": sum(len(c.token_ids) for c in comps) / replay_s,
         "prompt_tokens": sum(c.prompt_tokens for c in comps),
         "ttft_p50_s": percentile(ttft, 0.5),
         "ttft_p99_s": percentile(ttft, 0.99),
@@ -108,7 +119,7 @@ def serve_and_replay(label: str, workload: Workload, *, model_dir: str, store: s
 
 def run(store: str | None = None, model: str = "demo", python: str | None = None, capacity: str = "4G",
         kv_cache_gib: int = 2, documents: int = 2, doc_tokens: int = 3000, questions: int = 3,
-        sessions: int = 3, turns: int = 3, max_tokens: int = 16, say=print) -> dict:
+        sessions: int = 3, turns: int = 3, max_tokens: int = 16, concurrency: int = 4, say=print) -> dict:
     """Cold run, restart, replay; returns the report dict (see `to_json`)."""
     python, engine = engine_python(python)
     own = store is None
@@ -120,7 +131,7 @@ def run(store: str | None = None, model: str = "demo", python: str | None = None
         wl = Workload(spec, documents=documents, doc_tokens=doc_tokens, questions=questions,
                       sessions=sessions, turns=turns)
         kw = dict(model_dir=model_dir, store=store, python=python, capacity=capacity,
-                  kv_cache_gib=kv_cache_gib, max_tokens=max_tokens, say=say)
+                  kv_cache_gib=kv_cache_gib, max_tokens=max_tokens, concurrency=concurrency, say=say)
         cold = serve_and_replay("first run", wl, log_path=os.path.join(workdir, "server-1.log"), **kw)
         warm = serve_and_replay("after restart", wl, log_path=os.path.join(workdir, "server-2.log"), **kw)
     except BaseException:
@@ -153,6 +164,11 @@ def to_json(r: dict) -> dict:
         "ttft_cold_p99_s": round(c["ttft_p99_s"], 4),
         "ttft_restart_p50_s": round(w["ttft_p50_s"], 4),
         "ttft_restart_p99_s": round(w["ttft_p99_s"], 4),
+        "concurrency": c["concurrency"],
+        "throughput_cold_rps": round(c["throughput_rps"], 3),
+        "throughput_restart_rps": round(w["throughput_rps"], 3),
+        "output_tps_cold": round(c["output_tps"], 1),
+        "output_tps_restart": round(w["output_tps"], 1),
         "disk_hit_tokens": w["disk_hit_tokens"],
         "vllm_external_hit_tokens": w["vllm_external_hit_tokens"],
         "prompt_tokens": w["prompt_tokens"],
@@ -177,6 +193,8 @@ def format_report(r: dict) -> str:
         ("  from kvstore (disk)", c["disk_hit_tokens"], w["disk_hit_tokens"]),
         ("TTFT p50 (ms)", f"{c['ttft_p50_s'] * 1000:.0f}", f"{w['ttft_p50_s'] * 1000:.0f}"),
         ("TTFT p99 (ms)", f"{c['ttft_p99_s'] * 1000:.0f}", f"{w['ttft_p99_s'] * 1000:.0f}"),
+        (f"throughput, {c['concurrency']} in flight (req/s)", f"{c['throughput_rps']:.2f}", f"{w['throughput_rps']:.2f}"),
+        ("output tokens/s", f"{c['output_tps']:.1f}", f"{w['output_tps']:.1f}"),
         ("blocks stored / loaded", f"{c['stored_blocks']} / {c['loaded_blocks']}",
          f"{w['stored_blocks']} / {w['loaded_blocks']}"),
         ("server start (s)", c["server_start_s"], w["server_start_s"]),

@@ -139,7 +139,7 @@ class Bench:
     def __init__(self, *, model: str, python: str | None, workdir: str, concurrency: int,
                  prefix_len: int, suffix_len: int, num_prefixes: int, num_prompts: int, output_len: int,
                  documents: int, doc_tokens: int, questions: int, no_reuse_prompts: int,
-                 kv_fraction: float, capacity: str, say=print):
+                 kv_fraction: float, capacity: str, workloads=WORKLOADS, say=print):
         self.python, self.engine = engine_python(python)
         self.spec = SPECS[model]
         self.model_dir = default_dir(model)
@@ -162,7 +162,8 @@ class Bench:
         # below that). Requests in flight that do not fit wait or are preempted, as on a
         # real server with a cache too small (`preemptions` counts them).
         self.max_model_len = max(prefix_len + suffix_len, doc_tokens + 64) + output_len + 2 * BLOCK
-        self.working_set = max(num_prefixes * prefix_len, documents * doc_tokens)
+        reused = {"prefix_repetition": num_prefixes * prefix_len, "doc_qa": documents * doc_tokens}
+        self.working_set = max([reused[w] for w in workloads if w in reused] or [prefix_len])
         need = concurrency * (self.max_model_len + BLOCK)
         self.small_blocks = math.ceil(max(kv_fraction * self.working_set, self.max_model_len) / BLOCK)
         # The ceiling holds every prompt token of the largest workload, plus the requests in flight.
@@ -320,7 +321,8 @@ def run(*, model: str = "demo", python: str | None = None, systems: list[str] | 
         b = Bench(model=model, python=python, workdir=workdir, concurrency=concurrency, prefix_len=prefix_len,
                   suffix_len=suffix_len, num_prefixes=num_prefixes, num_prompts=num_prompts,
                   output_len=output_len, documents=documents, doc_tokens=doc_tokens, questions=questions,
-                  no_reuse_prompts=no_reuse_prompts, kv_fraction=kv_fraction, capacity=capacity, say=say)
+                  no_reuse_prompts=no_reuse_prompts, kv_fraction=kv_fraction, capacity=capacity,
+                  workloads=workloads, say=say)
         out = {"engine": b.engine,
                "model": f"{model} ({b.spec.approx_params() / 1e6:.0f}M parameters, bf16, random weights)",
                "config": {"concurrency": concurrency, "prefix_len": prefix_len, "suffix_len": suffix_len,

@@ -8,6 +8,8 @@ on every answer.
 from __future__ import annotations
 
 import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvstore.serving.client import Client, Completion
@@ -66,4 +68,40 @@ class Workload:
             out.append(c)
             if on_done:
                 on_done(req, c)
+        return out
+
+    def replay_concurrent(self, url: str, concurrency: int = 4, max_tokens: int = 16,
+                          on_done=None) -> list[Completion]:
+        """Send every request with up to `concurrency` in flight, as a server sees many users.
+
+        Each chat session and each document is a lane whose requests go in order (a turn
+        carries the answers before it); lanes run side by side, each on its own client of
+        `url`. The completions come back in `requests` order, so they compare one for one
+        with `replay`'s. `on_done(req, completion)` is called from the sending thread.
+        """
+        lanes: dict[tuple, list[int]] = {}
+        for i, req in enumerate(self.requests):
+            key = ("chat", req.session) if req.kind == "chat" else ("doc", req.name.split("/")[0])
+            lanes.setdefault(key, []).append(i)
+        out: list[Completion | None] = [None] * len(self.requests)
+        lock = threading.Lock()
+
+        def lane(indices: list[int]) -> None:
+            client = Client(url)
+            history = [{"role": "system", "content": self.system}]
+            for i in indices:
+                req = self.requests[i]
+                if req.kind == "document":
+                    c = client.complete(req.prompt, max_tokens=max_tokens)
+                else:
+                    msgs = history + [{"role": "user", "content": req.user}]
+                    c = client.chat(msgs, max_tokens=max_tokens)
+                    history = msgs + [{"role": "assistant", "content": c.text.strip()}]
+                out[i] = c
+                if on_done:
+                    with lock:
+                        on_done(req, c)
+        with ThreadPoolExecutor(max(1, concurrency)) as pool:
+            for f in [pool.submit(lane, idx) for idx in lanes.values()]:
+                f.result()
         return out
