@@ -23,10 +23,10 @@ from kvstore.serving.models import TINY_GEMMA2, default_dir, words
 from kvstore.serving.workload import Workload
 from test_real_engine import _written_slots, hits
 
-# Preemption phase: four concurrent prompts of 300 tokens, each growing by 160 output
-# tokens (10 then 15 blocks of 32 tokens in the full-attention group, up to 4 in the
+# Preemption phase: four concurrent prompts of 300 tokens, each growing by 96 output
+# tokens (10 then 13 blocks of 32 tokens in the full-attention group, up to 4 in the
 # window's), in a KV cache of 64 blocks that both groups share (32 each): vLLM must preempt.
-PREEMPT_PROMPTS, PREEMPT_TOKENS, PREEMPT_OUT, PREEMPT_BLOCKS = 4, 300, 160, 64
+PREEMPT_PROMPTS, PREEMPT_TOKENS, PREEMPT_OUT, PREEMPT_BLOCKS = 4, 300, 96, 64
 
 
 @pytest.fixture(scope="module")
