@@ -9,7 +9,12 @@ runs three passes over the same prompts (`samples` distinct prompts of each pref
    engine runs with a small KV cache, `--num-gpu-blocks-override`), so the connector's
    tier serves it (kvstore: disk; the CPU offloading tier: host memory);
 
-then, for systems that keep their cache across a restart, a new server on the same store
+The systems: kvstore's connector; vLLM's OffloadingConnector with kvstore as its secondary
+tier and with vLLM's `fs` tier (`tier_systems`, on the CPU build through
+`kvstore.vllm.cpu_offload`); and vLLM's peer connectors as a user configures them
+(`peers`), which name their error where they do not start on this engine.
+
+Then, for systems that keep their cache across a restart, a new server on the same store
 sends every prompt once more (4. restart hit: kvstore's reason to exist). Every timed
 request streams; TTFT is the client's wait for the first token, and each row also says
 how many prompt tokens vLLM counted as external hits, so a "hit" that was really a
@@ -50,6 +55,31 @@ def peers(workdir: str) -> dict[str, dict]:
     }
 
 
+def tier_systems(workdir: str, engine: str) -> dict[str, dict]:
+    """vLLM's OffloadingConnector with a CPU primary tier and one disk tier behind it: kvstore's
+    `KVStoreTier` ("kvstore-tier") and vLLM's `fs` tier ("fs-tier"), on the same primary
+    memory. On vLLM's CPU build
+    (which refuses vLLM's own `TieringOffloadingSpec`) they run through
+    `kvstore.vllm.cpu_offload.CPUTieringOffloadingSpec`, the same spec with memcpy copies."""
+    if "CPU build" in engine:
+        spec = {"spec_name": "CPUTieringOffloadingSpec", "spec_module_path": "kvstore.vllm.cpu_offload"}
+    else:
+        spec = {"spec_name": "TieringOffloadingSpec"}
+
+    def tiering(tier: dict) -> dict:
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {**spec, "cpu_bytes_to_use": 256 << 20,
+                                              "secondary_tiers": [tier]}}
+
+    return {
+        "kvstore-tier": tiering(
+            {"type": "KVStoreTier", "module_path": "kvstore.vllm.tier",
+             "path": os.path.join(workdir, "kvstore-tier"), "capacity": "8G"}),
+        "fs-tier": tiering(
+            {"type": "fs", "root_dir": os.path.join(workdir, "fs-tier-2")}),
+    }
+
+
 def _pct(xs, q):
     xs = sorted(xs)
     if not xs:
@@ -83,7 +113,7 @@ def run(lengths=(1000, 4000, 8000), samples: int = 3, model: str = "demo", pytho
     # ones. A hybrid model's groups share the blocks: each group gets that many.
     gpu_blocks = (max(lengths) + 2047) // 32 + 8
     all_systems = {"kvstore": connector_config(os.path.join(workdir, "kvstore"), capacity="8G"),
-                   **peers(workdir)}
+                   **tier_systems(workdir, engine), **peers(workdir)}
     chosen = systems or list(all_systems)
     unknown = [x for x in chosen if x not in all_systems]
     if unknown:
@@ -209,6 +239,8 @@ def plot(out: dict, path: str) -> None:
         if name != "kvstore":
             s = summarize(res)
             series.append((f"{name}: tier hit", [s[n]["tier_hit_p50_s"] for n in lengths]))
+            if name in ("kvstore-tier", "fs-tier"):
+                series.append((f"{name}: after restart", [s[n]["restart_hit_p50_s"] for n in lengths]))
     width = 0.8 / max(1, len(series))
     for i, (label, ys) in enumerate(series):
         xs = [j + i * width for j in range(len(lengths))]
