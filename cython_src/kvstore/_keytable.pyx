@@ -1068,8 +1068,8 @@ cdef class KeyTable:
         With `packed` (and a `KeySet` skip), the first list holds the planned blocks'
         vLLM hashes (the objects of `hashes`) instead of keys, and the block indices are
         an array('I'): no Python object is made per block (512 new ints cost ~70 us in a
-        scratch with the allocator's memory cold, 9 us warm; `tools/plan_ab.py`, whose
-        walks run warm, shows no difference); their keys are
+        scratch with the allocator's memory cold, 9 us warm; a walk timed alone, with the
+        allocator warm, shows no difference); their keys are
         `make_keys(those, [(group, len)])`."""
         cdef list keys = [], bids = [], idx = []
         cdef array.array idxa = array.clone(_U32, 0, False) if packed else None
@@ -1428,8 +1428,8 @@ cdef class KeySet:
             raise ValueError(f"discard_fingerprints: {fps.shape[0]} bytes, not whole fingerprints")
         # A batch's home buckets fetched together, then discarded: the set is cold by the
         # time a commit comes back (the step's forward ran meanwhile); its misses were ~a
-        # quarter of a store step's `update_connector_output` (tools/step_perf.py, 10M
-        # entries). 512 of 20K keys after 64 MiB of other traffic: p50 37-40 us, against
+        # quarter of a store step's `update_connector_output` (perf on the scheduler thread,
+        # 10M entries). 512 of 20K keys after 64 MiB of other traffic: p50 37-40 us, against
         # 47-59 without; of 3.5K keys (fits the caches better): 25 vs 26 us.
         b = 0
         while b < n:
