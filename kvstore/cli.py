@@ -338,7 +338,7 @@ def bench_tier(directory, chunk_tokens, size, capacity, primary, job_tokens, ste
               help="Entries prefilled into the index (0: an empty 2G store).")
 @click.option("--requests", default=256, show_default=True, type=click.IntRange(1, 100000),
               help="Prompts per phase, one step's token budget each: about as many steps. "
-                   "The p99 of fewer than 100 steps is their slowest (48 before stop 30).")
+                   "The p99 of fewer than 100 steps is their slowest (the default is 256).")
 @click.option("--prompt-tokens", default=8192, show_default=True, type=click.IntRange(32, 8192))
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Also run the previous, synchronous design (index_thread: false).")
@@ -360,7 +360,7 @@ def bench_tier(directory, chunk_tokens, size, capacity, primary, job_tokens, ste
               help="Sleep after each step that computed tokens, standing in for the model's "
                    "forward (the harness runs none); kvstore's threads refill the slot pool "
                    "meanwhile, so every store step plans a full step of blocks. 0: step back "
-                   "to back, as before stop 32 (most store steps then find the pool dry).")
+                   "to back (most store steps then find the pool dry).")
 @click.option("--json", "as_json", is_flag=True)
 def bench_connector(index_entries, requests, prompt_tokens, baseline, directory, plot_path,
                     engines, thread_cpus, io_thread_nice, forward_ms, as_json):

@@ -1187,7 +1187,7 @@ class EngineHarness:
             # (waiting for their KV loads, delayed frees): a 1 ms sleep that yields the
             # GIL to the transfer threads (`_process_engine_step`, vLLM 0.32 and 0.33).
             # Without it the harness spins on empty steps, and kvstore's nice-19 I/O
-            # threads crawl through the loads (docs/benchmarks.md, stop 35 and 36).
+            # threads crawl through the loads (docs/benchmarks.md).
             if not self.last_step_executed and self.scheduler.has_requests():
                 _time.sleep(0.001)
         raise HarnessError(

@@ -7,7 +7,7 @@ usage and evictions. Verdict at the end: memory and fds flat (growth under a thr
 after warm-up), pins back to zero, no mismatched block.
 
 `compare_admission` runs the same workload (same seed) twice, with `admission` "always"
-and "second_sight" (issue 15, wear accounting), and reports bytes written to the store,
+and "second_sight" (wear accounting), and reports bytes written to the store,
 blocks stored and the disk hit rate of each side by side.
 """
 from __future__ import annotations

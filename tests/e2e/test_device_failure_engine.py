@@ -1,4 +1,4 @@
-"""A failed device costs only its blocks, inside a real `vllm serve` (issue 15).
+"""A failed device costs only its blocks, inside a real `vllm serve`.
 
 One store over three loop-mounted ext4 file systems (`data_dirs`). The first server fills
 it. Between the runs one device is remounted read-only (`mount -o remount,ro`: the kernel

@@ -150,7 +150,7 @@ def test_full_disk_keeps_serving_identical_tokens(serve, workload, reference, sm
 def test_sigkill_while_storing_then_fsck_clean_and_identical_tokens(serve, workload, reference, tmp_path):
     store = tmp_path / "store"
     s = serve.server(store).start()
-    # A second server on a store that is being served attaches to it (issue 16): both
+    # A second server on a store that is being served attaches to it: both
     # engine cores hold a live lease, and the second one outlives the kill below.
     other = serve.server(store).start()
     live = [e for e in shared.engines(str(store)) if e.alive]

@@ -1,4 +1,4 @@
-"""Several real `vllm serve` engines on one store (issue 16).
+"""Several real `vllm serve` engines on one store.
 
 Two servers attach to one store together: what the first stored, the second answers from
 disk with the reference's greedy tokens (blocks stored before it started, found by its
