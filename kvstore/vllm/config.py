@@ -241,8 +241,9 @@ def layout_from_vllm(vllm_config, kv_cache_config) -> Layout:
     """The store layout of this engine: what makes its KV bytes interchangeable.
 
     Refuses (ConfigError, saying what to run instead) the engines whose blocks kvstore
-    cannot map to vLLM's block hashes: context or pipeline parallelism, several KV cache
-    groups, a cache that is not full attention.
+    cannot map to vLLM's block hashes or copy: context or pipeline parallelism, KV cache
+    groups other than full attention, sliding window and Mamba in align mode (see
+    `check_kv_cache_groups`).
     """
     check_vllm_contract(vllm_config, kv_cache_config)
     check_parallel_layout(vllm_config.parallel_config)
@@ -426,7 +427,7 @@ def _check_mamba_groups(groups, head: str) -> None:
 def check_kv_cache_groups(groups) -> str:
     """Refuse the KV cache groups kvstore cannot store, naming the groups' spec types and,
     where one exists, the vLLM setting that helps. Returns the layout's `groups` field:
-    "" for one group (the fingerprint of single-group stores is unchanged), else one
+    "" for one group (a single-group store's fingerprint has no groups field), else one
     entry per group, e.g. "full;swa:4096".
 
     Served: one full-attention group; or full-attention and sliding-window groups of the
