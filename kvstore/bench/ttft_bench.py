@@ -22,12 +22,15 @@ prefill is visible.
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import random
 import shutil
 import statistics
 import tempfile
 import time
+import uuid
 
 from kvstore.errors import ConfigError
 from kvstore.serving.client import Client
@@ -123,10 +126,17 @@ def run(lengths=(1000, 4000, 8000), samples: int = 3, model: str = "demo", pytho
            "lengths": list(lengths), "samples": samples, "gpu_cache_tokens": gpu_blocks * 32,
            "systems": {}, "not_started": {}}
     log_i = 0
+    # OffloadingConnector servers get a known engine id: vLLM's API server stops its engine
+    # core with a forced kill, which leaves the CPU primary tier's shared region behind in
+    # /dev/shm (vllm_offload_ENGINE_ID.mmap); the bench removes it.
+    engine_ids: list[str] = []
 
     def server(kv):
         nonlocal log_i
         log_i += 1
+        if kv.get("kv_connector") == "OffloadingConnector":
+            engine_ids.append(f"kvstore-bench-ttft-{uuid.uuid4().hex[:12]}")
+            kv = {**kv, "engine_id": engine_ids[-1]}
         return VLLMServer(model=model_dir, python=python, kv_transfer_config=kv, dtype="bfloat16",
                           log_path=os.path.join(workdir, f"server-{log_i}.log"), max_model_len=max(lengths) + 256,
                           kv_cache_gib=1,
@@ -174,6 +184,10 @@ def run(lengths=(1000, 4000, 8000), samples: int = 3, model: str = "demo", pytho
             say(format_system(name, res))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        for engine_id in engine_ids:
+            for path in glob.glob(f"/dev/shm/vllm_offload_{engine_id}*"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
     return out
 
 

@@ -9,7 +9,10 @@ tokens with chunks promoted from disk.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import glob
+import os
 import time
 import uuid
 
@@ -26,9 +29,9 @@ from kvstore.serving.server import VLLMServer
 CHUNK_TOKENS = 64
 
 
-def tier_config(store: str) -> dict:
+def tier_config(store: str, engine_id: str) -> dict:
     """The `--kv-transfer-config` of OffloadingConnector + kvstore tier on the CPU build."""
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine_id,
             "kv_connector_extra_config": {
                 "spec_name": "CPUTieringOffloadingSpec",
                 "spec_module_path": "kvstore.vllm.cpu_offload",
@@ -141,13 +144,24 @@ def _wait_cascaded(server: VLLMServer, timeout: float = 300.0) -> float:
     raise AssertionError(f"the tier's writes did not settle in {timeout:.0f} s: {seen[-10:]}")
 
 
+def _remove_primary_region(engine_id: str) -> None:
+    """vLLM's API server stops its engine core with a forced kill, which leaves the primary
+    tier's shared region (/dev/shm/vllm_offload_ENGINE_ID.mmap) behind."""
+    for path in glob.glob(f"/dev/shm/vllm_offload_{engine_id}*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def test_tier_serves_identical_tokens_and_hits_disk_after_restart(serve, workload, reference, tmp_path):
     store = str(tmp_path / "tier")
+    engine_ids = []
 
     def server():
+        engine_ids.append(f"kvstore-tier-test-{uuid.uuid4().hex[:12]}")
         s = VLLMServer(model=serve.model_dir, python=serve.engine[0],
                        log_path=str(serve.logs / f"{serve.name}-{len(serve.servers)}.log"),
-                       kv_transfer_config=tier_config(store), dtype=SERVE_DTYPE, max_model_len=4096)
+                       kv_transfer_config=tier_config(store, engine_ids[-1]), dtype=SERVE_DTYPE,
+                       max_model_len=4096)
         serve.servers.append(s)
         return s
 
@@ -157,6 +171,7 @@ def test_tier_serves_identical_tokens_and_hits_disk_after_restart(serve, workloa
         written = _wait_cascaded(s)
     finally:
         s.stop()
+        _remove_primary_region(engine_ids[-1])
     log = s.log_text()
     assert "Created secondary tier #0 (KVStoreTier)" in log
     assert "Created TieringOffloadingManager with primary tier" in log
@@ -171,6 +186,7 @@ def test_tier_serves_identical_tokens_and_hits_disk_after_restart(serve, workloa
         m1 = s.metrics()
     finally:
         s.stop()
+        _remove_primary_region(engine_ids[-1])
     hits = _tier_counter(m1, "hits") - _tier_counter(m0, "hits")
     loaded = _tier_counter(m1, "loaded_chunks") - _tier_counter(m0, "loaded_chunks")
     ext = (m1.get("vllm:external_prefix_cache_hits_total", 0)
