@@ -397,7 +397,9 @@ def bench_connector(index_entries, requests, prompt_tokens, baseline, directory,
               type=click.Choice(["demo", "tiny", "demo-gemma2", "tiny-gemma2"]))
 @click.option("--python", "python", default=None, help="Python whose vLLM serves (see `kvstore demo`).")
 @click.option("--systems", default=None,
-              help="Comma-separated subset of: kvstore and the peers (default: all).")
+              help="Comma-separated subset of: kvstore (the connector), kvstore-tier and fs-tier "
+                   "(vLLM's OffloadingConnector with a CPU primary and kvstore's or vLLM's fs tier "
+                   "behind it), and the peer connectors (default: all).")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="Where stores and peer tiers live (default: a temporary directory).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None)
