@@ -45,11 +45,14 @@ ARGS = {
     # the tiny model: two server starts each.
     ("demo",): ["--model", "tiny", "--documents", "1", "--doc-tokens", "64", "--sessions", "1"],
     ("bench", "ttft"): ["--model", "tiny", "--lengths", "64", "--samples", "1", "--systems", "kvstore"],
+    ("bench", "serve"): ["--model", "tiny", "--systems", "kvstore", "--workloads", "prefix_repetition",
+                         "--num-prefixes", "1", "--prefix-len", "64", "--num-prompts", "2",
+                         "--output-len", "4", "--concurrency", "2", "--capacity", "64M"],
 }
 MAY_FAIL = {("bench", "soak")}
 # The commands that start real servers (marker e2e), and those that run for half a minute
 # or more here (marker slow).
-SERVES = {("demo",), ("bench", "ttft")}
+SERVES = {("demo",), ("bench", "ttft"), ("bench", "serve")}
 SLOW = {("bench", "soak"), ("bench", "connector"), ("bench", "peers")}
 
 
