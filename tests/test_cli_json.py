@@ -90,6 +90,10 @@ def test_json_output_parses_as_one_object(path, stores, tmp_path):
     args = [a.format(**stores) for a in ARGS[path]]
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
+    if path in SERVES:
+        # vLLM puts its ZMQ sockets in TMPDIR, and a socket path is at most 107 bytes: a
+        # server keeps the run's own (short) TMPDIR, not this test's deep tmp_path.
+        env["TMPDIR"] = os.environ.get("TMPDIR", "/tmp")
     r = subprocess.run([sys.executable, "-m", "kvstore.cli", *path, *args, "--json"],
                        capture_output=True, text=True, env=env, timeout=600)
     if path not in MAY_FAIL:
