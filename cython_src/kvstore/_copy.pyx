@@ -387,12 +387,7 @@ cdef class CopyEngine:
             except Exception as exc:        # nothing of this copy is queued
                 self.release(ticket)
                 raise CopyError(f"store not issued: {exc}", 0) from exc
-            try:
-                self._issue(TO_STAGING)
-                cuda_check(self.drv.cuEventRecord(self.events[ticket - 1], self.streams[TO_STAGING]),
-                           "cuEventRecord(store stream)")
-            except Exception as exc:
-                raise self._failed(TO_STAGING, exc, ticket) from exc
+            self._issue_tracked(TO_STAGING, ticket)
             rc = self.drv.cuStreamWaitEvent(<CUstream>compute_stream, self.events[ticket - 1], 0)
             if rc != CUDA_SUCCESS:
                 # The copy is queued but nothing keeps the compute stream from writing
@@ -432,12 +427,7 @@ cdef class CopyEngine:
                 self.release(after)
             if self.segs[TO_KV].n == 0:
                 return 0
-            try:
-                self._issue(TO_KV)
-                cuda_check(self.drv.cuEventRecord(self.events[ticket - 1], self.streams[TO_KV]),
-                           "cuEventRecord(load stream)")
-            except Exception as exc:
-                raise self._failed(TO_KV, exc, ticket) from exc
+            self._issue_tracked(TO_KV, ticket)
             return ticket
 
     def mark(self, uintptr_t compute_stream=0):
@@ -510,6 +500,17 @@ cdef class CopyEngine:
             cuda_check(rc, "cuStreamSynchronize")
 
     # -- internals ------------------------------------------------------------------
+    def _issue_tracked(self, int direction, int ticket):
+        """Run the planned segments of `direction` on its stream and record `ticket` (taken
+        before) behind them; a failure raises `_failed`'s CopyError."""
+        try:
+            self._issue(direction)
+            cuda_check(self.drv.cuEventRecord(self.events[ticket - 1], self.streams[direction]),
+                       "cuEventRecord(store stream)" if direction == TO_STAGING
+                       else "cuEventRecord(load stream)")
+        except Exception as exc:
+            raise self._failed(direction, exc, ticket) from exc
+
     def _failed(self, int direction, exc, int ticket):
         """The CopyError for a copy that failed after its first segment may have been
         queued on `direction`'s stream (`ticket`: the copy's own, taken before it was
