@@ -42,6 +42,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from kvstore.bench.ttft_bench import _pct  # the same interpolated percentile
 from kvstore.errors import ConfigError
 from kvstore.serving.client import Client
 from kvstore.serving.models import SPECS, default_dir, words
@@ -79,15 +80,6 @@ METRICS = {
     "load_failures": "vllm:kvstore_load_failures_total",
     "preemptions": "vllm:num_preemptions_total",
 }
-
-
-def _pct(xs, q):
-    xs = sorted(xs)
-    if not xs:
-        return None
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 class BenchClient:
