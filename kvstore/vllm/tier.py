@@ -538,25 +538,31 @@ class KVStoreTier(SecondaryTierManager):
                                   self._store.data_dirs[d], why)
 
     # -- loads --------------------------------------------------------------------------
-    def _load_loop(self) -> None:
-        while True:
-            jobs, stop = self._take(self._load_q, None)
-            if jobs:
-                if self.closed:
+    def _serve_queue(self, q, run_batch, what: str) -> bool:
+        """One round of an I/O thread: take every queued job and run them as one batch
+        (`run_batch(jobs, handed_off)`, which adds each job it reports or hands on to
+        `handed_off`); whatever the batch leaves unreported fails, so no job is ever left
+        without its result. True once the queue's stop mark was taken."""
+        jobs, stop = self._take(q, None)
+        if jobs:
+            if self.closed:
+                for job in jobs:
+                    self._finish(JobResult(job_id=job.job_id, success=False))
+            else:
+                handed_off: set[int] = set()
+                try:
+                    run_batch(jobs, handed_off)
+                except Exception as exc:   # never leave a job unreported
+                    self._warn(f"a {what}", exc)
+                    log.exception("kvstore tier: %s batch failed", what)
                     for job in jobs:
-                        self._finish(JobResult(job_id=job.job_id, success=False))
-                else:
-                    done: set[int] = set()
-                    try:
-                        self._load_batch(jobs, done)
-                    except Exception as exc:   # never leave a job unreported
-                        self._warn("a load", exc)
-                        log.exception("kvstore tier: load batch failed")
-                        for job in jobs:
-                            if job.job_id not in done:
-                                self._finish(JobResult(job_id=job.job_id, success=False))
-            if stop:
-                return
+                        if job.job_id not in handed_off:
+                            self._finish(JobResult(job_id=job.job_id, success=False))
+        return stop
+
+    def _load_loop(self) -> None:
+        while not self._serve_queue(self._load_q, self._load_batch, "load"):
+            pass
 
     def _load_batch(self, jobs: list[TransferJob], done: set[int]) -> None:
         t0 = time.perf_counter()
@@ -639,25 +645,9 @@ class KVStoreTier(SecondaryTierManager):
 
     # -- stores -------------------------------------------------------------------------
     def _store_loop(self) -> None:
-        while True:
-            jobs, stop = self._take(self._store_q, None)
-            if jobs:
-                if self.closed:
-                    for job in jobs:
-                        self._finish(JobResult(job_id=job.job_id, success=False))
-                else:
-                    queued: set[int] = set()
-                    try:
-                        self._store_batch(jobs, queued)
-                    except Exception as exc:   # never leave a job unreported
-                        self._warn("a store", exc)
-                        log.exception("kvstore tier: store batch failed")
-                        for job in jobs:
-                            if job.job_id not in queued:
-                                self._finish(JobResult(job_id=job.job_id, success=False))
-            if stop:
-                self._sync_q.put(None)     # the sync thread flushes and commits the rest
-                return
+        while not self._serve_queue(self._store_q, self._store_batch, "store"):
+            pass
+        self._sync_q.put(None)     # the sync thread flushes and commits the rest
 
     def _store_batch(self, jobs: list[TransferJob], queued: set[int]) -> None:
         t0 = time.perf_counter()
