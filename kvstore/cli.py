@@ -26,7 +26,14 @@ def _fail(exc: Exception, code: int = 1):
 @click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
 @click.version_option(package_name="kvstore")
 def main(verbose: bool):
-    """kvstore: a persistent NVMe disk tier for vLLM's KV cache."""
+    """kvstore: a persistent NVMe disk tier for vLLM's KV cache.
+
+    \b
+    In vLLM, one JSON flag either way (README.md, docs/CONFIG.md):
+      as a KV connector:  "kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.vllm"
+      as a secondary tier of OffloadingConnector:  "secondary_tiers": [{"type": "KVStoreTier",
+                          "module_path": "kvstore.vllm.tier", "path": ..., "capacity": ...}]
+    """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
 
