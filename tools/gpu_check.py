@@ -1442,6 +1442,10 @@ def main(argv=None) -> int:
     rep.data["args"] = vars(args)
     rep.section("env", sec_env, ctx, bundle)
     only = set(args.only.split(",")) if args.only else None
+    unknown = sorted((only or set()) - {n for n, _, _ in SECTIONS} - {"env"})
+    if unknown:
+        sys.exit(f"gpu_check: --only names no section {', '.join(unknown)}; the sections: "
+                 f"env, {', '.join(n for n, _, _ in SECTIONS)}")
     if rep.data["sections"]["env"]["ok"] is True:
         for name, fn, perf in SECTIONS:
             if ctx.standin and name not in STANDIN_SECTIONS:
