@@ -1,8 +1,12 @@
 """kvstore: a persistent NVMe disk tier for vLLM's KV cache.
 
-Layers (each calls only the one below): `kvstore.vllm` (the connector) -> `kvstore.engine`
-(DiskStore, the public API) -> `kvstore.index` (LMDB) and the Cython I/O core
-(`kvstore._ring.Ring`, `kvstore._slotfile.SlotFile`, `kvstore._hostbuf.HostBuffer`).
+The package tree follows the data path, each layer importing only those below it
+(`.importlinter`, docs/ARCHITECTURE.md): `cli` -> `bench` -> `drivers` (a real `vllm
+serve`, the CPU harness, the demos) -> `tools` (fsck, info, warmup) -> `vllm` (the
+connector and the secondary tier) -> `lookup` (the scheduler's index) -> `store`
+(`DiskStore`, the public API) -> `io` (a rank's slot files and rings) | `index` (LMDB) ->
+`format` (the layout fingerprint) -> `errors`, over the Cython I/O core (`kvstore._ring.Ring`,
+`kvstore._slotfile.SlotFile`, `kvstore._hostbuf.HostBuffer`).
 """
 from kvstore.errors import (  # noqa: F401
     AlignmentError, ConfigError, CorruptIndex, CorruptSlot, KVStoreError, LayoutMismatch,

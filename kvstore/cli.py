@@ -1,7 +1,7 @@
 """The `kvstore` command line: info, fsck, warmup, bench, demo.
 
 Built on click (subcommands, typed options, generated --help) rather than argparse
-plumbing. Tools go through the engine API (`kvstore.engine.DiskStore`), never around it.
+plumbing. Tools go through the engine API (`kvstore.store.disk.DiskStore`), never around it.
 Errors a user can act on are printed as one line on stderr with exit status 1 (fsck has
 its own e2fsck-style codes).
 """
@@ -195,7 +195,7 @@ def fsck_cmd(store, deep, repair, rebuild_index, as_json, quiet, queue_depth, st
     e2fsck): 0 clean, 1 errors corrected, 4 errors left uncorrected, 8 operational error,
     16 usage error, 32 cancelled.
     """
-    from kvstore.layout import parse_size
+    from kvstore.format.layout import parse_size
     from kvstore.tools import fsck as fsck_mod
     try:
         staging_bytes = parse_size(staging)
@@ -373,7 +373,7 @@ def bench_connector(index_entries, requests, prompt_tokens, baseline, directory,
                     engines, thread_cpus, io_thread_nice, forward_ms, as_json):
     """Connector time on vLLM's scheduler thread per step (p50/p99/max), store and load phases."""
     from kvstore.bench import connector_bench
-    from kvstore.threads import parse_cpus
+    from kvstore.io.threads import parse_cpus
     try:
         parse_cpus(thread_cpus)     # a bad list fails here, not after minutes of prefill
     except KVStoreError as exc:
@@ -564,7 +564,7 @@ def demo(store, capacity, model, python, documents, doc_tokens, sessions, concur
         if out["blocks_mismatched"]:
             sys.exit(1)
         return
-    from kvstore import demo as demo_mod
+    from kvstore.drivers import demo as demo_mod
     say = (lambda *a: click.echo(*a, err=True)) if as_json else click.echo
     try:
         out = demo_mod.run(store=store, capacity=capacity, model=model, python=python,

@@ -17,7 +17,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kvstore.testing import EngineHarness  # noqa: E402
+from kvstore.drivers.simulator import EngineHarness  # noqa: E402
 
 BS = 16            # tokens per block
 SLOT = 8192        # bytes of one slot of the tiny model (4 KiB header + 4 KiB payload)

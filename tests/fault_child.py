@@ -58,7 +58,7 @@ def workload(seed: int = 7) -> list[list[list[int]]]:
 
 
 def make_harness(store: str, workdir: str, **extra):
-    from kvstore.testing import EngineHarness
+    from kvstore.drivers.simulator import EngineHarness
     return EngineHarness(kv_transfer_config=kv_config(store, **extra), workdir=workdir, **HARNESS)
 
 
@@ -88,7 +88,7 @@ def _out(line: str) -> None:
 
 def zygote(store: str) -> None:
     # Import what a server needs (seconds), but start nothing: no threads before fork.
-    import kvstore.testing  # noqa: F401
+    import kvstore.drivers.simulator  # noqa: F401
     import kvstore.vllm.connector  # noqa: F401
     import kvstore.vllm.scheduler  # noqa: F401
     import kvstore.vllm.worker  # noqa: F401

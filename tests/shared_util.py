@@ -2,8 +2,8 @@
 share: a one-rank layout, keys, a small store."""
 from __future__ import annotations
 
-from kvstore.engine import DiskStore
-from kvstore.layout import Layout
+from kvstore.store.disk import DiskStore
+from kvstore.format.layout import Layout
 
 BB = 4096
 LAYOUT = Layout(model="shared", dtype="float16", block_size=16, block_bytes=BB, num_layers=1,

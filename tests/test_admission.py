@@ -28,7 +28,7 @@ def _keys(h, tokens, group=0):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    from kvstore.layout import block_key
+    from kvstore.format.layout import block_key
     req = Request("probe", list(tokens), SamplingParams(max_tokens=1), None,
                   block_hasher=h._block_hasher)
     return [block_key(bh, group) for bh in req.block_hashes]

@@ -11,8 +11,8 @@ from kvstore import AlignmentError, CorruptSlot
 from kvstore import _slotfile
 from kvstore._hostbuf import HostBuffer
 from kvstore._slotfile import HEADER_SIZE
-from kvstore.engine import DiskStore, RankIO, SlotRef, slot_file_path
-from kvstore.layout import Layout
+from kvstore.store.disk import DiskStore, RankIO, SlotRef, slot_file_path
+from kvstore.format.layout import Layout
 
 BB = 32 << 10
 

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from kvstore.cli import main
-from kvstore.engine import DiskStore
-from kvstore.layout import Layout
+from kvstore.store.disk import DiskStore
+from kvstore.format.layout import Layout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 4096

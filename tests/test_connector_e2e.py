@@ -170,7 +170,7 @@ def test_two_tp_ranks_write_and_read_their_own_shards(tmp_path):
         assert s["stored_bytes"] == 2 * 12 * ws[0].io.payload_len
     # Each rank's shard on disk differs (the harness KV bytes depend on the rank), and a
     # restart loads both and verifies both against their own expected bytes.
-    from kvstore.engine import DiskStore
+    from kvstore.store.disk import DiskStore
     with DiskStore(str(store), io=True, readonly=True) as ds:
         keys = [e.key for e in ds.index.iter_entries()]
         got = ds.get(keys[:1], touch=False)

@@ -25,7 +25,7 @@ def _keys(h, tokens, group):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    from kvstore.layout import block_key
+    from kvstore.format.layout import block_key
     req = Request("probe", list(tokens), SamplingParams(max_tokens=1), None,
                   block_hasher=h._block_hasher)
     return [block_key(bh, group) for bh in req.block_hashes]
@@ -114,7 +114,7 @@ def test_a_corrupt_slot_fails_the_whole_request_through_failed_recving(tmp_path)
 
 
 def test_a_store_of_another_group_structure_is_refused_with_the_field(tmp_path):
-    from kvstore.testing import EngineHarness
+    from kvstore.drivers.simulator import EngineHarness
     store = tmp_path / "store"
     with kv_harness(store, num_layers=1) as h:      # one group: a plain model
         h.run(prompts(74, 1, 40), max_tokens=1)

@@ -30,7 +30,7 @@ def _keys(h, tokens, group):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    from kvstore.layout import block_key
+    from kvstore.format.layout import block_key
     req = Request("probe", list(tokens), SamplingParams(max_tokens=1), None,
                   block_hasher=h._block_hasher)
     return [block_key(bh, group) for bh in req.block_hashes]
@@ -222,7 +222,7 @@ def test_a_corrupt_mamba_slot_fails_the_request_through_failed_recving(tmp_path)
 def test_a_store_of_another_group_structure_is_refused_naming_groups(tmp_path, old):
     """A full + sliding-window (or full + Mamba) store, opened by a three-group engine of
     the same per-group geometry: refused, the field named, nothing left open."""
-    from kvstore.testing import EngineHarness
+    from kvstore.drivers.simulator import EngineHarness
     store = tmp_path / "store"
     with kv_harness(store, **old) as h:
         h.run(prompts(88, 1, 40), max_tokens=1)
@@ -456,8 +456,8 @@ def test_mamba_setups_kvstore_cannot_serve_are_refused_saying_what_to_do(kw, gro
 def test_a_mamba_view_that_does_not_overlay_the_carrier_is_refused(tmp_path):
     """check_groups_alias on the harness's real tensors passes; the same Mamba view
     moved by one block, or stepping by another stride, is refused naming the layer."""
-    from kvstore.testing import EngineHarness
-    from kvstore.transfer import check_groups_alias
+    from kvstore.drivers.simulator import EngineHarness
+    from kvstore.vllm.transfer import check_groups_alias
     with EngineHarness(**MAMBA) as h:
         kv = dict(h.ranks[0].kv_caches)
         cfg = h.kv_cache_config
@@ -537,7 +537,7 @@ def test_a_failed_load_under_policy_fail_leaves_nothing(tmp_path, kw, group, blo
 
     from connector_util import assert_quiescent
 
-    from kvstore.testing import EngineHarness
+    from kvstore.drivers.simulator import EngineHarness
     store = tmp_path / "store"
     p = prompts(100, 1, 140)[0]
     cfg = kv_config(store)

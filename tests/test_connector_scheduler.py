@@ -367,7 +367,7 @@ def test_plugin_registers_connector_by_name_idempotently(tmp_path):
     ktc = KVTransferConfig(kv_connector=NAME, kv_role="kv_both")
     assert KVConnectorFactory.get_connector_class(ktc) is KVStoreConnector
     # And an engine works with the name alone (no kv_connector_module_path).
-    from kvstore.testing import EngineHarness
+    from kvstore.drivers.simulator import EngineHarness
     cfg = kv_config(tmp_path / "store")
     del cfg["kv_connector_module_path"]
     before = open_fds()
@@ -454,7 +454,7 @@ def test_kvstore_threads_name_themselves_to_the_kernel_without_opening_a_file(mo
     at most) with prctl, so `ps -L` shows it, and opens no file doing so: a thread opening /proc/.../comm while a harness closes would
     show up in the fd-leak check."""
     import threading
-    from kvstore.threads import make_thread
+    from kvstore.io.threads import make_thread
     opened = []
     real_open = open
 
@@ -479,7 +479,7 @@ def test_io_thread_nice_default_follows_where_the_forward_runs():
     shares with it; an explicit value always wins. This venv has vLLM's GPU build (the
     forward is not on the host); the CPU build's default is checked inside the real engine
     (tests/e2e/test_real_engine.py::test_identical_tokens_cold_and_after_restart)."""
-    from kvstore.threads import io_nice
+    from kvstore.io.threads import io_nice
     from kvstore.vllm.config import ConnectorConfig
     cpus = frozenset({0})
     assert [io_nice(None, None, True), io_nice(cpus, None, True), io_nice(None, None, False),
@@ -496,7 +496,7 @@ def test_io_thread_nice_default_follows_where_the_forward_runs():
 
 
 def test_bad_config_refuses_engine_start_without_leaking(tmp_path):
-    from kvstore.testing import EngineHarness
+    from kvstore.drivers.simulator import EngineHarness
     before = open_fds()
     for extra in ({"io_mode": "mmap"}, {"path": None}, {"bogus": 1}):
         with pytest.raises(ConfigError):
@@ -514,7 +514,7 @@ def test_bad_config_refuses_engine_start_without_leaking(tmp_path):
     ({"block_size": 32}, "block_size"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_layout_mismatch_refuses_at_startup(tmp_path, change, field):
-    from kvstore.testing import EngineHarness
+    from kvstore.drivers.simulator import EngineHarness
     store = tmp_path / "store"
     with kv_harness(store) as h:
         h.run(prompts(50, 1, 40), max_tokens=1)

@@ -26,7 +26,7 @@ def _vllm_config(tmp_path, *, parallel: dict | None = None, store=None):
         CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig,
     )
 
-    from kvstore.testing import write_model_dir
+    from kvstore.drivers.simulator import write_model_dir
     model = str(tmp_path / "model")
     if not os.path.exists(model):
         write_model_dir(model, num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16",
@@ -268,7 +268,7 @@ _POLICY_WARNING = (
 @pytest.mark.parametrize("policy", ["fail", None, "recompute"],
                          ids=["fail", "vllm-default", "recompute"])
 def test_load_failure_policy_fail_warns_once_at_start(tmp_path, caplog, policy):
-    from kvstore.testing import EngineHarness
+    from kvstore.drivers.simulator import EngineHarness
     ktc = kv_config(tmp_path / "store")
     if policy is None:
         del ktc["kv_load_failure_policy"]

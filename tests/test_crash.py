@@ -16,8 +16,8 @@ import zlib
 import numpy as np
 import pytest
 
-from kvstore.engine import DiskStore
-from kvstore.layout import Layout
+from kvstore.store.disk import DiskStore
+from kvstore.format.layout import Layout
 
 BB = 32 << 10
 LAYOUT = Layout(model="crash", dtype="float16", block_size=16, block_bytes=BB, num_layers=2,
@@ -25,7 +25,7 @@ LAYOUT = Layout(model="crash", dtype="float16", block_size=16, block_bytes=BB, n
 
 CHILD = textwrap.dedent("""
     import sys, zlib, numpy as np
-    from kvstore.engine import DiskStore
+    from kvstore.store.disk import DiskStore
     BB = %d
     def payload(key, rank):
         h = zlib.crc32(key) + rank

@@ -8,9 +8,9 @@ import subprocess
 
 import pytest
 
-from kvstore.engine import DiskStore
+from kvstore.store.disk import DiskStore
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.layout import Layout
+from kvstore.format.layout import Layout
 
 LAYOUT = Layout(model="dirs", dtype="float16", block_size=16, block_bytes=4096, num_layers=1,
                 num_kv_heads=1, head_dim=64, tp_size=1)

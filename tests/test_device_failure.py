@@ -1,7 +1,7 @@
 """A device that fails costs only its blocks.
 
 A store over three real, loop-mounted ext4 file systems served through vLLM's real
-scheduler and two worker connectors (TP 2, `kvstore.testing.EngineHarness`: every block
+scheduler and two worker connectors (TP 2, `kvstore.drivers.simulator.EngineHarness`: every block
 vLLM starts from is verified byte for byte). One device fails mid-serving: EIO through the
 Ring's fault seam, or a real kernel EIO (ext4's shutdown ioctl, as xfstests' `godown`
 does: every later read, write and fdatasync of that file system fails with EIO). The
@@ -448,7 +448,7 @@ def test_hybrid_model_failed_device_fails_whole_requests_through_failed_recving(
 
 
 def test_rebuild_index_keeps_the_fence_and_never_adopts_fenced_slots(tmp_path, disks):
-    from kvstore.engine import DiskStore
+    from kvstore.store.disk import DiskStore
     from test_multidevice import LAYOUT, SLOT, keys, payload
     dirs, _, _ = disks
     with DiskStore.create(str(tmp_path / "store"), LAYOUT, 30 * SLOT * 2, data_dirs=dirs,

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kvstore import CorruptIndex, KVStoreError, LayoutMismatch, StoreFull, StoreLocked
-from kvstore.engine import DiskStore, SlotRef, slot_file_path
-from kvstore.layout import Layout, parse_size
+from kvstore.store.disk import DiskStore, SlotRef, slot_file_path
+from kvstore.format.layout import Layout, parse_size
 
 BB = 16 << 10
 LAYOUT = Layout(model="tiny-llama", dtype="float16", block_size=16, block_bytes=BB, num_layers=2,
@@ -152,7 +152,7 @@ def test_second_engine_attaches_and_exclusive_open_is_refused_with_pid(store):
     first stored; an offline repair's exclusive open is refused, naming an engine's pid."""
     code = textwrap.dedent(f"""
         import sys
-        from kvstore.engine import DiskStore
+        from kvstore.store.disk import DiskStore
         from kvstore import StoreLocked
         st = DiskStore({store.path!r}, io=True)
         print("ATTACHED", len(st.get([b"k00000", b"k00001"])))
@@ -183,7 +183,7 @@ def test_readonly_opener_sees_commits_while_writer_writes(store):
     store.put(keys(5), payload)
     code = textwrap.dedent(f"""
         import time
-        from kvstore.engine import DiskStore
+        from kvstore.store.disk import DiskStore
         ro = DiskStore({store.path!r}, readonly=True)
         seen = [ro.stats()["used_slots"]]
         time.sleep(1.0)
@@ -209,8 +209,8 @@ def test_persistence_across_processes_keeps_lru(tmp_path):
     st.close()
     code = textwrap.dedent(f"""
         import numpy as np
-        from kvstore.engine import DiskStore
-        from kvstore.layout import Layout
+        from kvstore.store.disk import DiskStore
+        from kvstore.format.layout import Layout
         st = DiskStore({p!r}, io=True)
         got = st.get([b"k%05d" % i for i in range(20)], touch=False)
         print("N", len(got))

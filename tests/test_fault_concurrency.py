@@ -25,8 +25,8 @@ from connector_util import open_fds
 from fault_child import BS, HARNESS, workload
 from fault_child import kv_config as child_kv_config
 from fault_util import REPO, Zygote, fsck_json, progress
-from kvstore.engine import DiskStore
-from kvstore.layout import read_fingerprint
+from kvstore.store.disk import DiskStore
+from kvstore.format.layout import read_fingerprint
 
 # One zygote server for the module, started in ~50 s: the module is slow as a whole.
 pytestmark = pytest.mark.slow
@@ -125,8 +125,8 @@ def test_second_engine_on_the_same_store_attaches_while_the_first_keeps_serving(
     """A second engine (this process) attaches to the store the server is
     serving; blocks the server stored are its hits, every loaded block verifies, and the
     server never notices. On shutdown its lease goes and its fds close."""
-    from kvstore import shared
-    from kvstore.testing import EngineHarness
+    from kvstore.store import shared
+    from kvstore.drivers.simulator import EngineHarness
     before = open_fds()
     seen = len(progress(server.lines))
     h = EngineHarness(kv_transfer_config=child_kv_config(str(server.store)),

@@ -17,7 +17,7 @@ from connector_util import (
 )
 from fault_util import fsck_json
 from kvstore.errors import KVStoreError
-from kvstore.index import Index
+from kvstore.index.core import Index
 
 
 def _fill(path) -> int:

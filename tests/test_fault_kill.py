@@ -116,8 +116,8 @@ def test_sigkill_while_serving_twenty_times(tmp_path, zygote):
 
 CREATE_CHILD = """
 import os, signal, sys
-import kvstore.engine as E
-from kvstore.layout import Layout
+import kvstore.store.disk as E
+from kvstore.format.layout import Layout
 L = Layout(model="m", dtype="float16", block_size=16, block_bytes=4096, num_layers=2,
            num_kv_heads=2, head_dim=16, tp_size=2)
 where = sys.argv[2]
@@ -142,8 +142,8 @@ def test_sigkill_while_creating_the_store(tmp_path, where, fd_leak_check):
     that no later start can use: the leftovers belong to no store and are replaced."""
     import subprocess
     import sys
-    from kvstore.engine import DiskStore, ensure_store
-    from kvstore.layout import Layout
+    from kvstore.store.disk import DiskStore, ensure_store
+    from kvstore.format.layout import Layout
     store = str(tmp_path / "store")
     r = subprocess.run([sys.executable, "-c", CREATE_CHILD, store, where], capture_output=True)
     assert r.returncode == -signal.SIGKILL, r.stderr

@@ -19,7 +19,7 @@ import pytest
 from connector_util import kv_config, kv_harness, loads_ok, open_fds, prompts, settle
 from fault_util import fsck_json
 from kvstore import KVStoreError, LayoutMismatch
-from kvstore.testing import EngineHarness
+from kvstore.drivers.simulator import EngineHarness
 
 # Every file and directory of a store a server opens, and which side opens it. Rank 0's
 # files stand for every rank's (the same code opens them); a refusal on rank 1 would
@@ -66,7 +66,7 @@ def _model(base_store) -> str:
 
 def _release_leaked_lock(store) -> None:
     """EngineHarness does not shut its scheduler connector down when a worker connector
-    fails to start (kvstore/testing.py), so the scheduler's writer lock stays open in this
+    fails to start (kvstore/drivers/simulator.py), so the scheduler's writer lock stays open in this
     process. A real engine process exits; here, close that one fd so later steps can open
     the store."""
     lock = os.path.realpath(os.path.join(str(store), "LOCK"))
@@ -132,7 +132,7 @@ def test_planted_symlinks_at_creation_are_never_followed(tmp_path):
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
     os.symlink(victim, store / "kvstore.json.tmp")
-    with pytest.raises(KVStoreError) as ei:     # O_NOFOLLOW refusal (kvstore/layout.py)
+    with pytest.raises(KVStoreError) as ei:     # O_NOFOLLOW refusal (kvstore/format/layout.py)
         EngineHarness(kv_transfer_config=kv_config(store), workdir=str(tmp_path))
     assert "kvstore.json.tmp" in str(ei.value) and "symlink" in str(ei.value)
     assert victim.read_bytes() == b"precious"
@@ -185,7 +185,7 @@ def test_store_of_another_configuration_refused_before_serving(tmp_path, change,
     digest = _digest(str(store / "rank0")) + _digest(str(store / "index"))
     kw = {}
     if change == "other_model_dir":
-        from kvstore.testing import write_model_dir
+        from kvstore.drivers.simulator import write_model_dir
         kw["model_dir"] = write_model_dir(tmp_path / "other-model")
     else:
         kw.update(change)

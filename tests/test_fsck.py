@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import kvstore.layout as layout_mod
+import kvstore.format.layout as layout_mod
 from kvstore import _slotfile
 from kvstore.cli import main
-from kvstore.engine import DiskStore, slot_file_path
-from kvstore.index import Index
-from kvstore.layout import Layout
+from kvstore.store.disk import DiskStore, slot_file_path
+from kvstore.index.core import Index
+from kvstore.format.layout import Layout
 from kvstore.tools import fsck as F
 from kvstore.tools.fsck import fsck
 
@@ -485,7 +485,7 @@ def test_many_findings_at_once_one_repair(tmp_path, monkeypatch):
 WRITER = textwrap.dedent(r"""
     import sys, time, numpy as np
     sys.path.insert(0, sys.argv[2])
-    from kvstore.engine import DiskStore
+    from kvstore.store.disk import DiskStore
     st = DiskStore(sys.argv[1], io=True)
     print("ready", flush=True)
     i = 1000
@@ -535,7 +535,7 @@ def test_fsck_while_a_writer_serves(tmp_path):
 HOLDER = textwrap.dedent(r"""
     import sys, numpy as np
     sys.path.insert(0, sys.argv[2])
-    from kvstore.engine import DiskStore
+    from kvstore.store.disk import DiskStore
     st = DiskStore(sys.argv[1], io=True)
     ks = [(5000 + j).to_bytes(4, "big") * 8 + b"\x01" for j in range(4)]
     st.put(ks, lambda n, r: np.full(8192, n + 1, np.uint8))

@@ -1,4 +1,4 @@
-"""Tests of the CPU engine harness (kvstore.testing) against real vLLM."""
+"""Tests of the CPU engine harness (kvstore.drivers.simulator) against real vLLM."""
 
 import glob
 import os
@@ -8,7 +8,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kvstore.testing import EngineHarness, expected_token_bytes, write_model_dir  # noqa: E402
+from kvstore.drivers.simulator import EngineHarness, expected_token_bytes, write_model_dir  # noqa: E402
 
 
 def _prompts(seed, n, length, shared=0):

@@ -8,7 +8,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kvstore.testing import EngineHarness  # noqa: E402
+from kvstore.drivers.simulator import EngineHarness  # noqa: E402
 
 BS = 16
 

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from kvstore import KVStoreError
 from kvstore._slotfile import HEADER_SIZE, decode_header, encode_header, payload_checksum, verify_slot
-from kvstore.engine import DiskStore
-from kvstore.index import Index
-from kvstore.layout import Layout, read_fingerprint
+from kvstore.store.disk import DiskStore
+from kvstore.index.core import Index
+from kvstore.format.layout import Layout, read_fingerprint
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 LAYOUT = Layout(model="m", dtype="float16", block_size=16, block_bytes=4096, num_layers=1,
@@ -151,7 +151,7 @@ def test_garbage_index_records(tmp_path_factory, db, k, v):
 def test_nothing_from_disk_is_unpickled_or_evaluated():
     """The readers of disk data use struct/json only: no pickle, eval or exec anywhere."""
     root = os.path.join(os.path.dirname(__file__), "..")
-    sources = [os.path.join(root, "kvstore", f) for f in ("index.py", "engine.py", "layout.py")]
+    sources = [os.path.join(root, "kvstore", f) for f in ("index/core.py", "store/disk.py", "format/layout.py")]
     sources += [os.path.join(root, "cython_src", "kvstore", f) for f in ("_slotfile.pyx", "_ring.pyx", "_hostbuf.pyx")]
     for path in sources:
         text = open(path).read()

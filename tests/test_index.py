@@ -1,4 +1,4 @@
-"""Tests of kvstore.index.Index against a real LMDB environment in tmp_path."""
+"""Tests of kvstore.index.core.Index against a real LMDB environment in tmp_path."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstore.errors import ConfigError, CorruptIndex, KVStoreError, StoreFull
-from kvstore.index import Entry, Index
-from kvstore.index_maint import bulk_load
+from kvstore.index.core import Entry, Index
+from kvstore.index.maint import bulk_load
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -347,7 +347,7 @@ def test_counters(make, tmp_path):
         Index(str(tmp_path / "index"), readonly=True)
     out = run_py("""
         import sys
-        from kvstore.index import Index
+        from kvstore.index.core import Index
         s = Index(sys.argv[1], readonly=True).stats()
         print(s["hits"], s["misses"])
     """, str(tmp_path / "index"))
@@ -394,7 +394,7 @@ def test_persistence_across_processes_keeps_lru(make, tmp_path):
     ix.close()
     out = run_py("""
         import sys
-        from kvstore.index import Index
+        from kvstore.index.core import Index
         ix = Index(sys.argv[1])
         print(" ".join(e.key.hex() for e in ix.iter_lru()))
         items, ev = ix.reserve([b"new"])
@@ -413,7 +413,7 @@ def test_readonly_reader_in_other_process_while_writer_commits(make, tmp_path):
     reader = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent("""
             import sys
-            from kvstore.index import Index
+            from kvstore.index.core import Index
             ro = Index(sys.argv[1], readonly=True)
             for line in sys.stdin:
                 n = int(line)

@@ -15,8 +15,8 @@ import numpy as np
 from click.testing import CliRunner
 
 from kvstore.cli import main
-from kvstore.engine import DiskStore, slot_file_path
-from kvstore.layout import Layout
+from kvstore.store.disk import DiskStore, slot_file_path
+from kvstore.format.layout import Layout
 from kvstore.tools.info import format_text, gather
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,7 +89,7 @@ def test_info_empty_store(tmp_path):
 HOLDER = textwrap.dedent("""
     import sys
     sys.path.insert(0, sys.argv[2])
-    from kvstore.engine import DiskStore
+    from kvstore.store.disk import DiskStore
     st = DiskStore(sys.argv[1])
     print("ready", flush=True)
     sys.stdin.read()
@@ -103,7 +103,7 @@ ENGINE = textwrap.dedent("""
     import sys
     sys.path.insert(0, sys.argv[2])
     from kvstore._keytable import KeyTable
-    from kvstore.engine import DiskStore
+    from kvstore.store.disk import DiskStore
     path, nres, npin, base = sys.argv[1], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     key = lambda i: i.to_bytes(4, "big") * 8 + b"\\x00"
     st = DiskStore(path)

@@ -33,11 +33,11 @@ def test_a_planted_upward_import_and_a_planted_vllm_import_break_the_contracts(t
     shutil.copytree(os.path.join(ROOT, "kvstore"), tree / "kvstore",
                     ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(os.path.join(ROOT, ".importlinter"), tree / ".importlinter")
-    engine = tree / "kvstore" / "engine.py"
+    engine = tree / "kvstore" / "store" / "disk.py"
     engine.write_text(engine.read_text() + "\n\ndef _planted():\n"
                       "    from kvstore.vllm import connector  # noqa: F401\n"
                       "    import vllm  # noqa: F401\n")
     r = lint(str(tree))
     assert r.returncode != 0, r.stdout[-3000:]
     assert "0 kept, 2 broken" in r.stdout, r.stdout[-3000:]
-    assert "kvstore.engine -> kvstore.vllm" in r.stdout and "kvstore.engine -> vllm" in r.stdout, r.stdout[-3000:]
+    assert "kvstore.store.disk -> kvstore.vllm" in r.stdout and "kvstore.store.disk -> vllm" in r.stdout, r.stdout[-3000:]

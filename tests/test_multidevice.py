@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from kvstore import KVStoreError, LayoutMismatch
-from kvstore.engine import DiskStore, RankIO, SlotRef, ensure_store, slot_file_path
+from kvstore.store.disk import DiskStore, RankIO, SlotRef, ensure_store, slot_file_path
 from kvstore.errors import StoreNotFound
-from kvstore.layout import Layout, read_fingerprint
+from kvstore.format.layout import Layout, read_fingerprint
 
 BB = 16 << 10
 SLOT = BB + 4096
@@ -538,7 +538,7 @@ def test_an_eio_on_a_device_that_fails_its_probe_fences_it_at_once(tmp_path, dis
 def test_the_probe_calls_a_full_device_healthy_and_a_readonly_opener_only_counts(tmp_path, disks):
     """No room for the probe's file (no inode left; its slots are preallocated) is not an
     I/O error; fsck's read-only opener never probes (it only counts the EIO)."""
-    from kvstore.engine import probe_data_dir
+    from kvstore.store.disk import probe_data_dir
     mnt = tmp_path / "tiny"
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=4", "tmpfs", str(mnt)], check=True)

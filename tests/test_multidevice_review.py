@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from kvstore.engine import DiskStore, SlotRef, probe_data_dir
-from kvstore.layout import Layout
+from kvstore.store.disk import DiskStore, SlotRef, probe_data_dir
+from kvstore.format.layout import Layout
 from kvstore.tools.fsck import fsck
 from test_multidevice import _loop_ext4, disks  # noqa: F401  (the fixture)
 
@@ -89,7 +89,7 @@ def test_store_directory_as_a_data_directory_probes_usable(tmp_path, disks):  # 
     with DiskStore.create(str(store), LAYOUT1, 30 * SLOT, data_dirs=dirs, io=True,
                           staging_bytes=1 << 20) as st:
         assert [probe_data_dir(d, st.path, i) for i, d in enumerate(st.data_dirs)] == [None] * 3
-        from kvstore.serving_index import ServingIndex
+        from kvstore.lookup.table import ServingIndex
         si = ServingIndex(st, probe_devices="direct")
         try:
             assert si.fences == {}
@@ -131,7 +131,7 @@ def test_engine_start_with_the_store_directory_unmounted_keeps_every_device(tmp_
     import pytest
 
     from kvstore import KVStoreError
-    from kvstore.engine import ensure_store
+    from kvstore.store.disk import ensure_store
     meta = tmp_path / "meta"              # the store directory's own device
     meta.mkdir()
     store = str(meta / "store")
@@ -190,7 +190,7 @@ def test_fsck_repair_leaves_the_empty_mount_point_of_a_single_data_dir_alone(tmp
 
 def _patrol_store(tmp_path):
     from test_multidevice import LAYOUT1, SLOT
-    from kvstore.engine import DiskStore
+    from kvstore.store.disk import DiskStore
     dirs = [str(tmp_path / f"dev{i}") for i in range(3)]
     for d in dirs:
         os.mkdir(d)
@@ -207,7 +207,7 @@ def test_patrol_eio_on_one_bad_sector_never_fences_a_healthy_device(tmp_path, mo
     """The patrol rereads one sector every check: an EIO there forever (a bad sector) is
     one counted error and probes that pass, never the EIO limit and a fence."""
     import errno as _errno
-    import kvstore.rankio as rankio
+    import kvstore.io.rank as rankio
     with _patrol_store(tmp_path) as st:
         rio = st.ranks[0]
         real = os.preadv
@@ -234,9 +234,8 @@ def test_patrol_eio_on_one_bad_sector_never_fences_a_healthy_device(tmp_path, mo
 
 def test_patrol_eio_then_failed_probe_fences_and_enxio_fences_at_once(tmp_path, monkeypatch):
     import errno as _errno
-    import kvstore.engine as engine
-    import kvstore.rankio as rankio
-    import kvstore.rankio as rankio
+    import kvstore.store.disk as engine
+    import kvstore.io.rank as rankio
     with _patrol_store(tmp_path) as st:
         rio = st.ranks[0]
         real = os.preadv

@@ -19,9 +19,9 @@ BS = 16
 
 def _serving_index(tmp_path, pool: int):
     """A 64-slot store and its serving index (index thread running)."""
-    from kvstore.engine import DiskStore
-    from kvstore.layout import Layout
-    from kvstore.serving_index import ServingIndex
+    from kvstore.store.disk import DiskStore
+    from kvstore.format.layout import Layout
+    from kvstore.lookup.table import ServingIndex
     layout = Layout(model="packed", dtype="float16", block_size=16, block_bytes=4096,
                     num_layers=1, num_kv_heads=1, head_dim=64, tp_size=1)
     st = DiskStore.create(str(tmp_path / "store"), layout, 64 * 8192)

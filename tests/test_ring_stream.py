@@ -11,7 +11,7 @@ from kvstore import KVStoreError
 from kvstore._hostbuf import HostBuffer
 from kvstore._ring import Ring
 from kvstore._slotfile import SlotFile
-from kvstore.device_stream import DeviceStream
+from kvstore.io.device_stream import DeviceStream
 
 SLOT = 20 << 10            # 4 KiB header + 16 KiB payload
 IO_LEN = SLOT - 4096
@@ -201,8 +201,8 @@ def test_batch_loops_start_the_next_chunk_before_the_last_one_drains(tmp_path, n
     """write_blocks and read_blocks hand chunk k+1 to the device streams before waiting
     for chunk k: with the device thread held up, both chunks are started together (two
     batches active on the ring), and every block still round-trips."""
-    from kvstore.engine import DiskStore, SlotRef
-    from kvstore.layout import Layout
+    from kvstore.store.disk import DiskStore, SlotRef
+    from kvstore.format.layout import Layout
     layout = Layout(model="m", dtype="float16", block_size=16, block_bytes=PAYLOAD, num_layers=1,
                     num_kv_heads=1, head_dim=8, tp_size=1)
     dirs = [str(tmp_path / f"d{i}") for i in range(ndirs)]
@@ -295,8 +295,8 @@ def test_more_parts_than_a_ring_keeps_wait_their_turn(tmp_path):
 def test_device_streams_are_built_once_whoever_asks_first(tmp_path):
     """Two threads asking for the streams at once (a scan's two ring-op threads on a fresh
     store) built two sets: two threads drove each ring."""
-    from kvstore.engine import DiskStore
-    from kvstore.layout import Layout
+    from kvstore.store.disk import DiskStore
+    from kvstore.format.layout import Layout
     layout = Layout(model="m", dtype="float16", block_size=16, block_bytes=PAYLOAD, num_layers=1,
                     num_kv_heads=1, head_dim=8, tp_size=1)
     dirs = [str(tmp_path / f"d{i}") for i in range(3)]
@@ -322,8 +322,8 @@ def test_device_streams_are_built_once_whoever_asks_first(tmp_path):
 
 
 def test_write_blocks_refuses_a_slot_named_twice(tmp_path):
-    from kvstore.engine import DiskStore, SlotRef
-    from kvstore.layout import Layout
+    from kvstore.store.disk import DiskStore, SlotRef
+    from kvstore.format.layout import Layout
     layout = Layout(model="m", dtype="float16", block_size=16, block_bytes=PAYLOAD, num_layers=1,
                     num_kv_heads=1, head_dim=8, tp_size=1)
     with DiskStore.create(str(tmp_path / "store"), layout, 30 * SLOT, io=True,

@@ -1,4 +1,4 @@
-"""The scheduler's serving index (kvstore.serving_index) and its lookup table (kvstore._keytable),
+"""The scheduler's serving index (kvstore.lookup.table) and its lookup table (kvstore._keytable),
 over real LMDB stores in tmp_path: the table follows LMDB, pinned slots are never handed
 out, commits become hits only once durable, the pool is reclaimed after a crash."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import threading
 import pytest
 
 from kvstore._keytable import KeyTable
-from kvstore.engine import DiskStore, SlotRef
-from kvstore.layout import Layout
-from kvstore.serving_index import ServingIndex, SyncServingIndex
+from kvstore.store.disk import DiskStore, SlotRef
+from kvstore.format.layout import Layout
+from kvstore.lookup.table import ServingIndex, SyncServingIndex
 
 BB = 4096
 LAYOUT = Layout(model="serving", dtype="float16", block_size=16, block_bytes=BB, num_layers=1,
@@ -383,8 +383,8 @@ def test_table_is_rebuilt_at_open_and_lookups_read_lmdb_until_then(tmp_path):
 def test_pool_reservations_are_reclaimed_after_a_crash(tmp_path):
     path = str(tmp_path / "store")
     make(tmp_path, 64).close()
-    code = ("import os, sys; from kvstore.engine import DiskStore; "
-            "from kvstore.serving_index import ServingIndex; "
+    code = ("import os, sys; from kvstore.store.disk import DiskStore; "
+            "from kvstore.lookup.table import ServingIndex; "
             "st = DiskStore(sys.argv[1]); ix = ServingIndex(st, pool_target=16); ix.wait_ready(10); "
             "ix.flush(); print(st.stats()['reserved_slots'], flush=True); os._exit(0)")
     out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
@@ -402,7 +402,7 @@ def test_a_dry_pools_drops_are_counted_off_the_step_thread(tmp_path, path):
     event; a count that fails still reports (0), so the scheduler never waits forever.
     The synchronous baseline counts on the caller's thread."""
     from kvstore._keytable import KeySet
-    from kvstore.serving_index import block_key
+    from kvstore.lookup.table import block_key
     st = make(tmp_path, 64)
     ix = SyncServingIndex(st) if path == "sync" else ServingIndex(st, pool_target=8)
     threads = []
@@ -487,8 +487,8 @@ def test_sync_baseline_has_the_same_interface(tmp_path):
 @pytest.mark.slow
 def test_the_connector_never_imports_the_maintenance_module():
     code = ("import sys; import kvstore.vllm.connector, kvstore.vllm.scheduler, "
-            "kvstore.vllm.worker, kvstore.serving_index; "
-            "assert 'kvstore.index_maint' not in sys.modules, 'index_maint imported'")
+            "kvstore.vllm.worker, kvstore.lookup.table; "
+            "assert 'kvstore.index.maint' not in sys.modules, 'kvstore.index.maint imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -568,8 +568,8 @@ def test_items_and_slotrefs_are_sequences_made_of_three_lists():
     slice, reverse and iterate."""
     import array
 
-    from kvstore.rankio import SlotRefs
-    from kvstore.serving_index import Items, _split_failed
+    from kvstore.io.rank import SlotRefs
+    from kvstore.lookup.table import Items, _split_failed
     keys = [k(i) for i in range(5)]
     slots = array.array("I", [10, 11, 12, 13, 14])
     gens = array.array("Q", [20, 21, 22, 23, 24])

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from kvstore import shared
-from kvstore.engine import DiskStore
-from kvstore.serving_index import ServingIndex
+from kvstore.store import shared
+from kvstore.store.disk import DiskStore
+from kvstore.lookup.table import ServingIndex
 
 from shared_util import k, make
 
@@ -157,7 +157,7 @@ def test_a_failing_lookup_of_the_other_engines_blocks_is_a_miss_and_pins_nothing
 def test_hybrid_presence_walks_find_the_other_engines_blocks(tmp_path, child):
     """Sliding-window and Mamba groups are looked up per block (`present`): blocks another
     engine stored are found too, holes stay holes."""
-    from kvstore.layout import block_key
+    from kvstore.format.layout import block_key
     path = make(tmp_path, 128)
     b = child(path)
     with DiskStore(path) as st:

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from kvstore import shared
-from kvstore.engine import DiskStore
+from kvstore.store import shared
+from kvstore.store.disk import DiskStore
 from kvstore.errors import StoreFull
 
 from shared_util import k, make
@@ -173,8 +173,8 @@ def test_a_plain_store_opened_first_makes_the_generations_valid(tmp_path, procs)
 
 _SERVER_PROBE = """
 import sys
-from kvstore.engine import DiskStore
-from kvstore.serving_index import ServingIndex
+from kvstore.store.disk import DiskStore
+from kvstore.lookup.table import ServingIndex
 st = DiskStore(sys.argv[1])
 ix = ServingIndex(st, pool_target=2)
 ix.wait_ready(30)
@@ -191,7 +191,7 @@ def test_an_eviction_claim_sees_an_engine_that_attached_since_its_peers_were_map
     nothing), without refusing what it may take: a refill right after an attach is not
     lost (refusing it left the pool empty for a round, and walked every never-used slot
     into the free list)."""
-    from kvstore.serving_index import ServingIndex
+    from kvstore.lookup.table import ServingIndex
     path = make(tmp_path, 16)
     with DiskStore(path) as st:
         ix = ServingIndex(st, pool_target=2)
@@ -222,7 +222,7 @@ def test_an_eviction_claim_sees_an_engine_that_attached_since_its_peers_were_map
 
 def _grower(path, out, go):
     """Another engine's index: writes until its map has grown a few times."""
-    from kvstore.index import Index
+    from kvstore.index.core import Index
     ix = Index(path, map_size=1 << 20)
     out.put(("open",))
     go.get(timeout=60)
@@ -249,7 +249,7 @@ def test_index_writes_and_reads_go_on_while_another_process_grows_the_map(tmp_pa
     re-map `_read` did (set_mapsize) while another thread had a transaction open broke
     that thread's transactions."""
     import threading
-    from kvstore.index import Index
+    from kvstore.index.core import Index
     path = str(tmp_path / "ix")
     ix = Index(path, 1 << 16, create=True, map_size=1 << 20)
     ctx = mp.get_context("spawn")
@@ -302,7 +302,7 @@ def test_index_writes_and_reads_go_on_while_another_process_grows_the_map(tmp_pa
 
 
 def _reader_killed(path, out):
-    from kvstore.index_maint import snapshot
+    from kvstore.index.maint import snapshot
     st = DiskStore(path)
     with snapshot(st.index) as snap:
         snap.count("keys")

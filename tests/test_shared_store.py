@@ -1,7 +1,7 @@
 """Several engines on one store, at the scheduler level: two and four engines,
 each a separate process (multiprocessing's fork server, see `_PRELOAD`) running vLLM's
 REAL scheduler and the connector's worker side over CPU KV tensors
-(`kvstore.testing.EngineHarness`), every block a request starts from verified byte for
+(`kvstore.drivers.simulator.EngineHarness`), every block a request starts from verified byte for
 byte. What one engine stores another loads without computing it; one engine's eviction
 pressure never makes another load a wrong block or leaves a request stuck; a SIGKILLed
 engine (mid-store, mid-load) leaves the others serving the same tokens, its reservations
@@ -23,9 +23,9 @@ import traceback
 import pytest
 
 from connector_util import prompts
-from kvstore import shared
-from kvstore.engine import DiskStore
-from kvstore.testing import write_model_dir
+from kvstore.store import shared
+from kvstore.store.disk import DiskStore
+from kvstore.drivers.simulator import write_model_dir
 from kvstore.tools.fsck import fsck
 
 BS = 16
@@ -48,7 +48,7 @@ STATS = ("steps", "tokens_computed", "requests_added", "requests_finished", "blo
 _PRELOAD = ["torch", "numpy", "vllm", "vllm.config", "vllm.v1.core.sched.scheduler",
             "vllm.v1.core.sched.async_scheduler", "vllm.v1.executor", "vllm.v1.worker.utils",
             "vllm.v1.worker.worker_base", "vllm.distributed.kv_transfer.kv_connector.factory",
-            "vllm.v1.core.kv_cache_planning", "kvstore.testing", "kvstore.vllm",
+            "vllm.v1.core.kv_cache_planning", "kvstore.drivers.simulator", "kvstore.vllm",
             "kvstore.vllm.connector", "connector_util"]
 
 
@@ -64,7 +64,7 @@ def _engine(path, model_dir, extra, harness, busy, cmds, out):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from connector_util import drop_gpu_cache, keys_of, kv_config, sched, set_injector, settle, \
         workers
-    from kvstore.testing import EngineHarness
+    from kvstore.drivers.simulator import EngineHarness
 
     h = EngineHarness(model_dir, kv_transfer_config=kv_config(path, **extra),
                       **{**HARNESS, **harness})

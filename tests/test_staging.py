@@ -11,8 +11,8 @@ import pytest
 from kvstore import _cuda
 from kvstore._copy import CopyEngine
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.layout import ALIGN, HEADER_SIZE
-from kvstore.staging import Staging
+from kvstore.format.layout import ALIGN, HEADER_SIZE
+from kvstore.io.staging import Staging
 
 
 def test_views_follow_the_slot_format():
@@ -70,7 +70,7 @@ def test_without_a_driver_pinning_fails_softly_and_cuda_copies_refuse(caplog):
         _cuda.driver_info()
     st = Staging(2, HEADER_SIZE + ALIGN, ALIGN)
     try:
-        with caplog.at_level(logging.WARNING, logger="kvstore.staging"):
+        with caplog.at_level(logging.WARNING, logger="kvstore.io.staging"):
             assert st.pin(0) is False
         assert not st.pinned and "pinning" in caplog.text
         kv = np.zeros(4 * ALIGN, dtype=np.uint8)

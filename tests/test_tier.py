@@ -27,10 +27,10 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvstore.engine import DiskStore
+from kvstore.store.disk import DiskStore
 from kvstore.errors import ConfigError, LayoutMismatch
-from kvstore.layout import HEADER_SIZE
-from kvstore.rankio import slot_file_path
+from kvstore.format.layout import HEADER_SIZE
+from kvstore.io.rank import slot_file_path
 from kvstore.vllm.tier import KVStoreTier, TierMetrics
 
 ROW = 64 << 10            # primary chunk bytes of the tests' layout (page-aligned)

@@ -1,4 +1,4 @@
-"""The copy engine (kvstore._copy.CopyEngine through kvstore.transfer.KVTransfer) on KV
+"""The copy engine (kvstore._copy.CopyEngine through kvstore.vllm.transfer.KVTransfer) on KV
 caches built by vLLM's own allocation code (allocate_kv_cache) on CPU: the segment
 lists address exactly the bytes of each block (checked against torch's view of every
 layer, not against the KVCacheTensor arithmetic the engine uses), gathers and scatters
@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from kvstore._copy import LOAD, STORE
-from kvstore.engine import DiskStore
+from kvstore.store.disk import DiskStore
 from kvstore.errors import ConfigError, LayoutMismatch
-from kvstore.layout import HEADER_SIZE, Layout
-from kvstore.rankio import RankIO
-from kvstore.staging import Staging
-from kvstore.transfer import KVTransfer, check_copyable
+from kvstore.format.layout import HEADER_SIZE, Layout
+from kvstore.io.rank import RankIO
+from kvstore.io.staging import Staging
+from kvstore.vllm.transfer import KVTransfer, check_copyable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -246,7 +246,7 @@ def test_fp8_variants_get_distinct_fingerprints(tmp_path):
     configured cache dtype, so an fp8_e5m2 store is refused to an fp8_e4m3 engine."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
 
-    from kvstore.testing import write_model_dir
+    from kvstore.drivers.simulator import write_model_dir
     from kvstore.vllm.config import layout_from_vllm
 
     model = write_model_dir(str(tmp_path / "model"), num_layers=2, num_kv_heads=2, head_dim=16,
@@ -277,7 +277,7 @@ def test_connector_refuses_a_head_outermost_layout_before_serving(tmp_path):
     refuses it when it is built, with the layout to use, before any step runs."""
     from connector_util import kv_config
 
-    from kvstore.testing import EngineHarness
+    from kvstore.drivers.simulator import EngineHarness
     with pytest.raises(ConfigError, match=r"LHBNC KV cache layout.*VLLM_KV_CACHE_LAYOUT=LBNHC"):
         EngineHarness(workdir=str(tmp_path), layout="LHBNC",
                       kv_transfer_config=kv_config(tmp_path / "store"))

@@ -51,7 +51,7 @@ def _vllm_config(tmp_path, store=None):
         CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig,
     )
 
-    from kvstore.testing import write_model_dir
+    from kvstore.drivers.simulator import write_model_dir
     model = str(tmp_path / "model")
     if not os.path.exists(model):
         write_model_dir(model, num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16",

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kvstore import shared
+from kvstore.store import shared
 from kvstore.cli import main
-from kvstore.engine import DiskStore, WriterLock, slot_file_path
+from kvstore.store.disk import DiskStore, WriterLock, slot_file_path
 from kvstore.errors import ConfigError, LayoutMismatch, StoreLocked
-from kvstore.layout import Layout
+from kvstore.format.layout import Layout
 from kvstore.tools import warmup as W
-from kvstore.tools.keys import prompt_block_keys
+from kvstore.vllm.keys import prompt_block_keys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BS = 16           # tokens per block
@@ -152,7 +152,7 @@ def tokenizer_dir(tmp_path_factory):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from kvstore.testing import write_model_dir
+    from kvstore.drivers.simulator import write_model_dir
     d = tmp_path_factory.mktemp("tok")
     write_model_dir(d)
     words = ["<s>", "</s>", "<unk>", "system", "user", "assistant", ":"] + [f"w{i}" for i in range(200)]
@@ -345,7 +345,7 @@ SERVING = textwrap.dedent(r"""
     import hashlib, json, sys
     sys.path.insert(0, sys.argv[2])
     import numpy as np
-    from kvstore.engine import DiskStore
+    from kvstore.store.disk import DiskStore
     st = DiskStore(sys.argv[1], io=True, staging_bytes=1 << 20)
     own = [b"own-block-%02d" % i for i in range(int(sys.argv[3]))]
     assert st.put(own, lambda i, r: np.full(8192, i + 1, np.uint8)) == own

@@ -262,11 +262,11 @@ class Ctx:
     def store(self, name, layout_kw, nslots, staging_slots):
         """A DiskStore + RankIO over a Staging of `staging_slots` slots (O_DIRECT when the
         file system takes it)."""
-        from kvstore.engine import DiskStore
+        from kvstore.store.disk import DiskStore
         from kvstore.errors import KVStoreError
-        from kvstore.layout import Layout
-        from kvstore.rankio import RankIO
-        from kvstore.staging import Staging
+        from kvstore.format.layout import Layout
+        from kvstore.io.rank import RankIO
+        from kvstore.io.staging import Staging
         lay = Layout(model="gpu-check", **layout_kw)
         path = self.path(name)
         for mode in (self.io_mode, "page_cache"):
@@ -289,7 +289,7 @@ class Ctx:
         """The worker's KVTransfer over `kv`; with the driver stand-in, its copy engine
         is a CUDA one (device `compute.device`) over the host-memory KV cache, ordered
         against `compute`'s stream, exactly as on a GPU."""
-        from kvstore.transfer import KVTransfer
+        from kvstore.vllm.transfer import KVTransfer
         xfer = KVTransfer(kv, cfg, staging, use_batch=use_batch)
         if self.standin:
             adopt_standin(xfer, compute, use_batch)
@@ -439,10 +439,10 @@ def io_uring_probe(directory: str | None) -> int:
     (gVisor) fails here in seconds, with the error, instead of mid-check."""
     import platform as _pf
     print(f"io_uring probe: kernel {_pf.release()}, python {_pf.python_version()}", flush=True)
-    from kvstore.engine import DiskStore
-    from kvstore.layout import Layout
-    from kvstore.rankio import RankIO
-    from kvstore.staging import Staging
+    from kvstore.store.disk import DiskStore
+    from kvstore.format.layout import Layout
+    from kvstore.io.rank import RankIO
+    from kvstore.io.staging import Staging
     lay = Layout(model="io-uring-probe", dtype="bfloat16", block_size=16, block_bytes=64 * KIB,
                  num_layers=1, num_kv_heads=8, head_dim=128, kv_layout="pages:NHD")
     ok = False
@@ -504,7 +504,7 @@ def sec_env(rep: Report, ctx: Ctx, bundle: str):
 
 def sec_roundtrip(rep: Report, ctx: Ctx):
     t = ctx.torch
-    from kvstore.transfer import KVTransfer
+    from kvstore.vllm.transfer import KVTransfer
     cases = [(k, lay) for k in ("bf16", "fp8", "mla") for lay in ("LBNHC", "BLNHC")]
     if ctx.cuda:
         cases.append(("bf16", "LBNHC", False))   # per-segment cuMemcpyAsync fallback
@@ -598,7 +598,7 @@ def vllm_hybrid_kv(ctx, layout: str, num_blocks: int, geo: dict):
     if getattr(ctx, "_hybrid_vllm_config", None) is None:
         # A VllmConfig as the engine core resolves it for a hybrid Mamba model (the test
         # harness builds exactly that; its own tiny model is not used).
-        from kvstore.testing import EngineHarness
+        from kvstore.drivers.simulator import EngineHarness
         h = EngineHarness(num_layers=3, sliding_window=geo["window"], mamba=True,
                           num_gpu_blocks=num_blocks, layout=layout)
         ctx._hybrid_vllm_config = h.vllm_config
@@ -719,7 +719,7 @@ def sec_hybrid(rep: Report, ctx: Ctx):
     import random
 
     import numpy as np
-    from kvstore import transfer as tr
+    from kvstore.vllm import transfer as tr
     from kvstore.errors import ConfigError
     geo = hybrid_geometry(ctx)
     NB, per = 64, 8                 # 64 blocks; per group: 8 stored, 8 loaded into
@@ -886,7 +886,7 @@ def sec_ordering(rep: Report, ctx: Ctx):
 
 def _ordering_on(rep, ctx, device):
     t = ctx.torch
-    from kvstore.staging import Staging
+    from kvstore.io.staging import Staging
     dev = t.device("cuda", device) if ctx.cuda else ctx.dev
     compute = Compute(ctx, device)
     cfg, names, kv, page = ctx.build_kv("bf16", "LBNHC", 8, 64, dev=dev)
@@ -953,8 +953,8 @@ def sec_fail_closed(rep: Report, ctx: Ctx):
         rep.line(f"   KVStoreWorker not importable here ({type(exc).__name__}: {exc})")
         return {"ok": False, "error": str(exc)}
     import ctypes
-    from kvstore.engine import DiskStore
-    from kvstore.layout import Layout, block_key
+    from kvstore.store.disk import DiskStore
+    from kvstore.format.layout import Layout, block_key
     t = ctx.torch
     lib = ctypes.CDLL("libcuda.so.1")
     compute = Compute(ctx, 0)
@@ -1049,7 +1049,7 @@ def sec_store_cost(rep: Report, ctx: Ctx):
         rep.line("   needs streams: run --device cuda or --device standin")
         return {"ok": "n/a"}
     t = ctx.torch
-    from kvstore.staging import Staging
+    from kvstore.io.staging import Staging
     n, L, page = 512, 32, 2 * KIB
     compute = Compute(ctx, 0)
     cfg, names, kv, pg = ctx.build_kv("bf16", "LBNHC", L, n + 8, page=page)
@@ -1107,7 +1107,7 @@ def sec_store_cost(rep: Report, ctx: Ctx):
 def sec_step_thread(rep: Report, ctx: Ctx):
     """Host time of every call the step thread makes, behind a 300 ms kernel."""
     t = ctx.torch
-    from kvstore.transfer import KVTransfer
+    from kvstore.vllm.transfer import KVTransfer
     cfg, names, kv, page = ctx.build_kv("bf16", "LBNHC", 8, 128)
     ctx.randomize(kv, names)
     st, rio, staging, lay = ctx.store("step", layout_kw("bf16", names, page), 80, 72)
@@ -1158,8 +1158,8 @@ def _worker_step_times(rep, ctx, kv, cfg, names, page):
     except Exception as exc:
         rep.line(f"   KVStoreWorker: not importable here ({type(exc).__name__}: {exc}); primitives only")
         return {"skipped": str(exc)}
-    from kvstore.engine import DiskStore
-    from kvstore.layout import Layout, block_key
+    from kvstore.store.disk import DiskStore
+    from kvstore.format.layout import Layout, block_key
     lay = Layout(model="gpu-check-worker", **layout_kw("bf16", names, page))
     path = ctx.path("worker")
     cfg_c = ConnectorConfig(path=path, capacity=200 * lay.slot_size, staging_bytes=80 * lay.slot_size,
@@ -1223,8 +1223,8 @@ def _worker_step_times(rep, ctx, kv, cfg, names, page):
 def sec_bandwidth(rep: Report, ctx: Ctx):
     t = ctx.torch
     import numpy as np
-    from kvstore.staging import Staging
-    from kvstore.transfer import KVTransfer
+    from kvstore.io.staging import Staging
+    from kvstore.vllm.transfer import KVTransfer
     top = ctx.args.max_blocks or (1024 if ctx.cuda else 64)
     counts = [c for c in (1, 4, 16, 64, 256, 1024) if c <= top]
     if counts[-1] != top:
@@ -1327,8 +1327,8 @@ def sec_compute(rep: Report, ctx: Ctx):
         rep.line("   needs a GPU (no compute stream on CPU)")
         return {"ok": "n/a"}
     t = ctx.torch
-    from kvstore.staging import Staging
-    from kvstore.transfer import KVTransfer
+    from kvstore.io.staging import Staging
+    from kvstore.vllm.transfer import KVTransfer
     bb, n = 2560 * KIB, 410                      # ~1 GiB each way
     cfg, names, kv, pg = ctx.build_kv("bf16", "BLNHC", 8, n, page=bb // 8)
     staging = Staging(n, 4096 + bb, bb)
@@ -1373,7 +1373,7 @@ def sec_compute(rep: Report, ctx: Ctx):
 
 def sec_memory(rep: Report, ctx: Ctx):
     t = ctx.torch
-    from kvstore.transfer import KVTransfer
+    from kvstore.vllm.transfer import KVTransfer
     cfg, names, kv, page = ctx.build_kv("bf16", "LBNHC", 8, 64)
     ctx.randomize(kv, names)
     st, rio, staging, lay = ctx.store("mem", layout_kw("bf16", names, page), 40, 32)

@@ -1,6 +1,6 @@
 """`kvstore bench connector`: the connector's time on vLLM's scheduler thread, per step.
 
-Runs the real vLLM `Scheduler` with the kvstore connector (`kvstore.testing.EngineHarness`,
+Runs the real vLLM `Scheduler` with the kvstore connector (`kvstore.drivers.simulator.EngineHarness`,
 CPU KV tensors) over a store whose index is prefilled with `index_entries` entries (the
 store is full: every store evicts), in two phases:
 
@@ -69,10 +69,10 @@ def _prefill(store: str, entries: int, seed: int = 7) -> dict:
     index. Returns timings."""
     import numpy as np
 
-    from kvstore.engine import rank_dir, slot_file_path
-    from kvstore.index import Index
-    from kvstore.index_maint import bulk_load
-    from kvstore.layout import StoreGeometry, read_fingerprint, write_fingerprint
+    from kvstore.store.disk import rank_dir, slot_file_path
+    from kvstore.index.core import Index
+    from kvstore.index.maint import bulk_load
+    from kvstore.format.layout import StoreGeometry, read_fingerprint, write_fingerprint
 
     layout, _, _ = read_fingerprint(store)
     capacity = entries * layout.slot_size * layout.tp_size
@@ -317,7 +317,7 @@ def _phases(common: dict, prompts: list, index_thread: bool, load_prompts: list 
             barrier=None, forward_s: float = 0.0) -> dict:
     import gc
 
-    from kvstore.testing import EngineHarness
+    from kvstore.drivers.simulator import EngineHarness
     cfg = common["kv_transfer_config"]
     cfg["kv_connector_extra_config"]["index_thread"] = index_thread
     out = {}
@@ -426,7 +426,7 @@ def run(index_entries: int = 1_000_000, requests: int = 256, prompt_tokens: int 
         baseline: bool = True, workdir: str | None = None, engines: int = 1,
         thread_cpus: str | None = None, io_thread_nice: int | None = None,
         forward_ms: float = 10.0) -> dict:
-    from kvstore.testing import EngineHarness
+    from kvstore.drivers.simulator import EngineHarness
     tmp = tempfile.TemporaryDirectory(prefix="kvstore-bench-conn-", dir=workdir)
     d = tmp.name
     store = os.path.join(d, "store")

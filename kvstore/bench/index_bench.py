@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from kvstore.index import Index
-from kvstore.index_maint import bulk_load
+from kvstore.index.core import Index
+from kvstore.index.maint import bulk_load
 
 DEFAULT_ENTRIES = [100_000, 1_000_000, 10_000_000]
 CHAIN = 1000
@@ -73,7 +73,7 @@ def _pct(xs: list[float], p: float) -> float:
 
 
 def _open_in_new_process(path: str) -> tuple[float, float]:
-    code = ("import time; t0 = time.perf_counter(); from kvstore.index import Index; "
+    code = ("import time; t0 = time.perf_counter(); from kvstore.index.core import Index; "
             "ix = Index(%r, readonly=True); s = ix.stats(); ix.close(); "
             "print(time.perf_counter() - t0)" % path)
     env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -28,7 +28,7 @@ from kvstore._hostbuf import HostBuffer
 from kvstore._ring import Ring
 from kvstore._slotfile import HEADER_SIZE, SlotFile, encode_header, payload_checksum, verify_slot
 from kvstore.errors import KVStoreError
-from kvstore.layout import format_size, parse_size
+from kvstore.format.layout import format_size, parse_size
 
 STAGING_BYTES = 512 << 20
 
@@ -206,8 +206,8 @@ class MultiDirKVStore:
     name = "kvstore"
 
     def __init__(self, dirs, size, block, qd, direct):
-        from kvstore.engine import DiskStore, SlotRef
-        from kvstore.layout import Layout
+        from kvstore.store.disk import DiskStore, SlotRef
+        from kvstore.format.layout import Layout
         self.dirs = dirs
         self.block = block
         self.nblocks = size // block

@@ -76,7 +76,7 @@ import numpy as np
 from kvstore.bench.io_bench import (Fio, MultiDirFio, MultiDirThreads, OneThread, _parse_dirs,
                                      drop_page_cache)
 from kvstore.errors import KVStoreError
-from kvstore.layout import format_size, parse_size
+from kvstore.format.layout import format_size, parse_size
 
 SYSTEMS = ("kvstore", "vllm_fs", "one_thread", "fio")
 LABELS = {"kvstore": "kvstore", "vllm_fs": "vLLM fs tier", "one_thread": "1 thread", "fio": "fio io_uring"}
@@ -170,8 +170,8 @@ class KVStoreSystem:
     name = "kvstore"
 
     def __init__(self, ctx):
-        from kvstore.engine import DiskStore, RankIO
-        from kvstore.layout import Layout
+        from kvstore.store.disk import DiskStore, RankIO
+        from kvstore.format.layout import Layout
         self.ctx = ctx
         self.block = ctx.block
         self.layout = Layout(model="bench-peers", dtype="bfloat16", block_size=16,
@@ -245,7 +245,7 @@ class KVStoreSystem:
     def _load(self, rio, requests, dst_first):
         """Load the prefixes of `requests` (lists of keys) as kvstore's worker does: every
         load queued at the time shares one ring pass, straight into the destination rows."""
-        from kvstore.engine import SlotRef
+        from kvstore.store.disk import SlotRef
         refs = []
         with self.lock:
             for keys in requests:

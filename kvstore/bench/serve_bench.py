@@ -44,9 +44,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.bench.ttft_bench import _pct  # the same interpolated percentile
 from kvstore.errors import ConfigError
-from kvstore.serving.client import Client
-from kvstore.serving.models import SPECS, default_dir, words
-from kvstore.serving.server import ServerStartError, VLLMServer, connector_config, engine_python
+from kvstore.drivers.client import Client
+from kvstore.drivers.models import SPECS, default_dir, words
+from kvstore.drivers.server import ServerStartError, VLLMServer, connector_config, engine_python
 
 WORKLOADS = ("prefix_repetition", "doc_qa", "no_reuse")
 SYSTEMS = ("vllm", "kvstore", "ceiling", "offload-fs")
@@ -135,7 +135,7 @@ class Bench:
         self.python, self.engine = engine_python(python)
         self.spec = SPECS[model]
         self.model_dir = default_dir(model)
-        r = subprocess.run([self.python, "-c", f"from kvstore.serving.models import ensure_model; "
+        r = subprocess.run([self.python, "-c", f"from kvstore.drivers.models import ensure_model; "
                                                f"ensure_model({model!r}, {self.model_dir!r})"],
                            capture_output=True, text=True)
         if r.returncode != 0:
@@ -247,7 +247,7 @@ class Bench:
                 "output_tps": sum(len(c.token_ids) for c in comps) / dur,
                 "ttft_p50_ms": ms(_pct(ttft, 0.5)), "ttft_p90_ms": ms(_pct(ttft, 0.9)),
                 "ttft_p99_ms": ms(_pct(ttft, 0.99)), "itl_p50_ms": ms(_pct(itl, 0.5)),
-                "itl_p99_ms": ms(_pct(itl, 0.99)), "client": "kvstore.serving.client (openai), query round"}, before
+                "itl_p99_ms": ms(_pct(itl, 0.99)), "client": "kvstore.drivers.client (openai), query round"}, before
 
     def phase(self, server: VLLMServer, wl: str, phase_i: int) -> dict:
         if wl == "doc_qa":        # the query round only, server counters included

@@ -30,7 +30,7 @@ def _fds() -> int:
 def run(requests: int = 20000, interval: int = 2000, capacity: str = "16M", batch: int = 16,
         seed: int = 11, out=print, admission: str = "always",
         admission_window: int | None = None) -> dict:
-    from kvstore.testing import EngineHarness
+    from kvstore.drivers.simulator import EngineHarness
     rng = random.Random(seed)
     docs = [[rng.randrange(10, 30000) for _ in range(rng.randrange(64, 512))] for _ in range(400)]
     with tempfile.TemporaryDirectory(prefix="kvstore-soak-") as d:

@@ -50,7 +50,7 @@ import numpy as np
 
 from kvstore.bench.io_bench import drop_page_cache
 from kvstore.errors import KVStoreError
-from kvstore.layout import format_size, parse_size
+from kvstore.format.layout import format_size, parse_size
 
 # 7B-class layout (Llama-3-8B / Mistral-7B: 32 layers, 8 KV heads, head dim 128, bf16):
 # K and V of every layer, per token

@@ -33,9 +33,9 @@ import time
 import uuid
 
 from kvstore.errors import ConfigError
-from kvstore.serving.client import Client
-from kvstore.serving.models import SPECS, default_dir, words
-from kvstore.serving.server import ServerStartError, VLLMServer, connector_config, engine_python
+from kvstore.drivers.client import Client
+from kvstore.drivers.models import SPECS, default_dir, words
+from kvstore.drivers.server import ServerStartError, VLLMServer, connector_config, engine_python
 
 
 def peers(workdir: str) -> dict[str, dict]:
@@ -105,7 +105,7 @@ def run(lengths=(1000, 4000, 8000), samples: int = 3, model: str = "demo", pytho
     spec = SPECS[model]
     model_dir = default_dir(model)
     import subprocess
-    r = subprocess.run([python, "-c", f"from kvstore.serving.models import ensure_model; "
+    r = subprocess.run([python, "-c", f"from kvstore.drivers.models import ensure_model; "
                                       f"ensure_model({model!r}, {model_dir!r})"], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"could not make the {model} model: {r.stderr[-2000:]}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 import time
 
-from kvstore.layout import format_size
+from kvstore.format.layout import format_size
 
 __all__ = ["Progress"]
 

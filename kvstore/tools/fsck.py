@@ -44,13 +44,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstore import _slotfile, shared
+from kvstore import _slotfile
+from kvstore.store import shared
 from kvstore._slotfile import HEADER_SIZE, SlotFile
-from kvstore.engine import RankIO, WriterLock, rank_dir, slot_file_path
+from kvstore.store.disk import RankIO, WriterLock, rank_dir, slot_file_path
 from kvstore.errors import CorruptIndex, CorruptSlot, KVStoreError, StoreLocked, StoreNotFound
-from kvstore.index import Index
-from kvstore.index_maint import rebuild_index, snapshot
-from kvstore.layout import FINGERPRINT, device_dirs, format_size, read_fingerprint
+from kvstore.index.core import Index
+from kvstore.index.maint import rebuild_index, snapshot
+from kvstore.format.layout import FINGERPRINT, device_dirs, format_size, read_fingerprint
 
 __all__ = ["fsck", "Finding", "Report", "KINDS", "format_text",
            "EXIT_CLEAN", "EXIT_CORRECTED", "EXIT_UNCORRECTED", "EXIT_OPERATIONAL",
@@ -744,7 +745,7 @@ class _Check:
         pointing at the device was verified (and dropped if bad) first."""
         if len(self.dirs) < 2:
             return
-        from kvstore.datadirs import probe_data_dir
+        from kvstore.io.datadirs import probe_data_dir
         try:
             with Index(self.index_dir, None, readonly=True) as ix:
                 fences = ix.fenced_devices()

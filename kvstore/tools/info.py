@@ -8,7 +8,7 @@ statistics, no scan); the engines' pins and reservations are counted from their 
 files and the index's `owned` rows (O(capacity) per engine for the pins, O(reserved) for
 the reservations).
 
-Engines (`engines`): one row per lease file in STORE/engines (`kvstore.shared`): pid,
+Engines (`engines`): one row per lease file in STORE/engines (`kvstore.store.shared`): pid,
 start time, kind (engine, warmup), whether it is alive, the reservations it holds
 (index `owned` rows, in-flight stores) and the slots it pins (its lease's pin counts,
 written by the serving index; an engine that pins only in memory, as a bare `DiskStore`
@@ -24,11 +24,11 @@ import datetime
 import os
 import stat
 
-from kvstore import shared
-from kvstore.engine import DiskStore, rank_dir, slot_file_path
+from kvstore.store import shared
+from kvstore.store.disk import DiskStore, rank_dir, slot_file_path
 from kvstore.errors import KVStoreError
-from kvstore.layout import FINGERPRINT, device_dirs, format_size, read_fingerprint
-from kvstore.rankio import read_iostats
+from kvstore.format.layout import FINGERPRINT, device_dirs, format_size, read_fingerprint
+from kvstore.io.rank import read_iostats
 
 __all__ = ["gather", "format_text"]
 

@@ -32,7 +32,7 @@ before its tail, so eviction later takes chains from the tail. `--dry-run` opens
 read-only and reports what would be written.
 
 Next to serving engines: warmup attaches to STORE as an engine of its own (a lease of
-kind "warmup", `kvstore.shared`) and writes while they serve; what it commits they find
+kind "warmup", `kvstore.store.shared`) and writes while they serve; what it commits they find
 at once (their lookups fall back to the index for keys their tables have not seen).
 Without `--allow-evict-hotter` the free-slot count is read again before each batch, since
 the engines take free slots too; a batch reserved at the very moment an engine takes the
@@ -48,9 +48,9 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from kvstore.engine import DiskStore
+from kvstore.store.disk import DiskStore
 from kvstore.errors import ConfigError, KVStoreError, StoreFull, StoreLocked
-from kvstore.layout import check_layout, format_size, read_fingerprint
+from kvstore.format.layout import check_layout, format_size, read_fingerprint
 
 __all__ = ["PromptItem", "read_prompts", "warmup", "format_text", "NO_ENGINE"]
 
@@ -431,7 +431,7 @@ def warmup(store: str, prompts: str | None = None, *, from_store: str | None = N
             tok = _Tokenizer(tokenizer or (lay.model if os.path.isdir(lay.model) else None))
             if items:
                 # Import vLLM (seconds) and check the hash algorithm before the clock starts.
-                from kvstore.tools.keys import none_hash
+                from kvstore.vllm.keys import none_hash
                 none_hash(lay.hash_algo)
             t0 = time.perf_counter()
             try:
@@ -468,7 +468,7 @@ def _check_not_repairing(store: str) -> None:
     connector would meet it deep inside vLLM's start-up, where it reads as an engine
     failure. Engines serving from the store are no obstacle (warmup attaches next to
     them)."""
-    from kvstore.shared import StoreLock
+    from kvstore.store.shared import StoreLock
     try:
         StoreLock(os.path.abspath(store)).release()
     except StoreLocked:
@@ -480,7 +480,7 @@ def _bar(progress, desc, total, unit):
 
 
 def _copy_prompts(cp: _Copier, items, tok: _Tokenizer, lay, sm: Summary, progress, group: int) -> None:
-    from kvstore.tools.keys import prompt_block_keys
+    from kvstore.vllm.keys import prompt_block_keys
     bar = _bar(progress, "warmup", len(items), "prompts")
     t0 = time.perf_counter()
 
@@ -630,7 +630,7 @@ def _engine(model, tokenizer, store, connector_config, engine_args, *, create: b
 
 def _plan_model_prompts(dst, items, tok, sm: Summary, group: int, allow_evict_hotter: bool):
     """The prompts to run (those with a missing block that fits) and the blocks they add."""
-    from kvstore.tools.keys import prompt_block_keys
+    from kvstore.vllm.keys import prompt_block_keys
     lay = dst.layout
     todo = []
     free = dst.stats()["free_slots"]

@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
-from kvstore.layout import Layout, block_key, parse_size  # noqa: F401 (block_key: re-exported)
-from kvstore.threads import io_nice, parse_cpus
+from kvstore.format.layout import Layout, block_key, parse_size  # noqa: F401 (block_key: re-exported)
+from kvstore.io.threads import io_nice, parse_cpus
 
 DETERMINISTIC_HASHES = ("sha256", "sha256_cbor")
 
@@ -38,13 +38,13 @@ class ConnectorConfig:
     device_eio_limit: int = 10        # EIOs within device_eio_window_s that fence a device
     device_eio_window_s: float = 600.0
     thread_cpus: frozenset[int] | None = None   # CPUs kvstore's threads run on (None: any)
-    io_thread_nice: int = 0           # nice increment of kvstore's I/O threads (kvstore.threads)
+    io_thread_nice: int = 0           # nice increment of kvstore's I/O threads (kvstore.io.threads)
 
     @staticmethod
     def forward_on_host() -> bool:
         """Whether vLLM's forward pass runs on this host's CPUs: vLLM's CPU build
         (`current_platform.is_cpu()`), whose OpenMP threads take every core they are bound
-        to. It decides `io_thread_nice`'s default (kvstore.threads.io_nice)."""
+        to. It decides `io_thread_nice`'s default (kvstore.io.threads.io_nice)."""
         from vllm.platforms import current_platform
         return bool(current_platform.is_cpu())
 
@@ -121,7 +121,7 @@ class ConnectorConfig:
 
 
 def _data_dirs(value) -> tuple[str, ...] | None:
-    from kvstore.layout import normalize_data_dirs
+    from kvstore.format.layout import normalize_data_dirs
     try:
         dirs = normalize_data_dirs(value)
     except ConfigError as exc:

@@ -59,7 +59,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.WORKER and kv_cache_config is not None:
             # Refuse a KV cache kvstore cannot copy now, with what to change, rather than
             # when vLLM hands over its tensors.
-            from kvstore.transfer import check_copyable
+            from kvstore.vllm.transfer import check_copyable
             check_copyable(kv_cache_config, (carrier_group(kv_cache_config.kv_cache_groups),))
 
     @property

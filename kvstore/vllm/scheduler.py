@@ -19,10 +19,10 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys)
 
-from kvstore.engine import DiskStore, ensure_store
+from kvstore.store.disk import DiskStore, ensure_store
 from kvstore._keytable import KeySet, SeenFilter, keys_with_packed, make_keys
 from kvstore.errors import KVStoreError
-from kvstore.serving_index import ServingIndex, SyncServingIndex
+from kvstore.lookup.table import ServingIndex, SyncServingIndex
 from kvstore.vllm.config import ConnectorConfig, block_key
 from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob
 from kvstore.vllm.metrics import DEVICE_FAILED, KVStoreStats

@@ -71,12 +71,12 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvstore.engine import DiskStore, ensure_store
+from kvstore.store.disk import DiskStore, ensure_store
 from kvstore.errors import ConfigError, CorruptSlot, KVStoreError, LayoutMismatch
-from kvstore.layout import HEADER_SIZE, Layout, format_size, read_fingerprint
-from kvstore.rankio import RankIO, SlotRefs
-from kvstore.serving_index import ServingIndex
-from kvstore.threads import make_thread
+from kvstore.format.layout import HEADER_SIZE, Layout, format_size, read_fingerprint
+from kvstore.io.rank import RankIO, SlotRefs
+from kvstore.lookup.table import ServingIndex
+from kvstore.io.threads import make_thread
 from kvstore.vllm.config import ConnectorConfig
 
 log = logging.getLogger("kvstore.tier")

@@ -1,8 +1,8 @@
 """Worker side of the kvstore connector: moves bytes, reports completions.
 
 Owns one TP rank's slot files, io_uring ring and staging memory (through
-`kvstore.rankio.RankIO`, whose `Staging` is also the free list of staging slots), the
-device<->staging copies (`kvstore.transfer.KVTransfer`) and one I/O thread that is the
+`kvstore.io.rank.RankIO`, whose `Staging` is also the free list of staging slots), the
+device<->staging copies (`kvstore.vllm.transfer.KVTransfer`) and one I/O thread that is the
 only user of the ring and sets the rank's device first. Stores are enqueued as copies out
 of the KV cache within the step that computed them (`wait_for_save`, which never waits
 for the GPU; whatever vLLM enqueues on the compute stream afterwards, from zeroing a
@@ -24,11 +24,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvstore.engine import ensure_store
+from kvstore.store.disk import ensure_store
 from kvstore.errors import KVStoreError
-from kvstore.rankio import RankIO, SlotRefs
-from kvstore.threads import make_thread
-from kvstore.transfer import CopyError, KVTransfer, check_groups_alias
+from kvstore.io.rank import RankIO, SlotRefs
+from kvstore.io.threads import make_thread
+from kvstore.vllm.transfer import CopyError, KVTransfer, check_groups_alias
 from kvstore.vllm.config import ConnectorConfig, carrier_group
 from kvstore.vllm.metadata import (KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob, StoreReport,
                                    load_keys, store_keys)

@@ -13,10 +13,10 @@ import subprocess
 import pytest
 
 from e2e_util import MAX_TOKENS, Serve, assert_same, wait_stored
-from kvstore.serving.client import Client
-from kvstore.serving.models import TINY, default_dir
-from kvstore.serving.server import engine_python
-from kvstore.serving.workload import Workload
+from kvstore.drivers.client import Client
+from kvstore.drivers.models import TINY, default_dir
+from kvstore.drivers.server import engine_python
+from kvstore.drivers.workload import Workload
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +31,7 @@ def engine():
 @pytest.fixture(scope="session")
 def model_dir(engine):
     path = default_dir(TINY.name)
-    r = subprocess.run([engine[0], "-c", f"from kvstore.serving.models import ensure_model; "
+    r = subprocess.run([engine[0], "-c", f"from kvstore.drivers.models import ensure_model; "
                                          f"ensure_model({TINY.name!r}, {path!r})"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]

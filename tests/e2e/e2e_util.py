@@ -9,15 +9,15 @@ import sys
 import time
 from contextlib import contextmanager
 
-from kvstore.serving.client import Completion
-from kvstore.serving.models import SERVE_DTYPE
-from kvstore.serving.server import VLLMServer, connector_config
-from kvstore.serving.workload import Workload
+from kvstore.drivers.client import Completion
+from kvstore.drivers.models import SERVE_DTYPE
+from kvstore.drivers.server import VLLMServer, connector_config
+from kvstore.drivers.workload import Workload
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 # float32 greedy decoding of the same prompt agrees to ~1e-6 in logprob between a prefix
-# computed and a prefix loaded (see kvstore.serving.models.SERVE_DTYPE); wrong KV moves
+# computed and a prefix loaded (see kvstore.drivers.models.SERVE_DTYPE); wrong KV moves
 # logprobs by whole units.
 LOGPROB_TOL = 1e-3
 MAX_TOKENS = 8
@@ -25,7 +25,7 @@ MAX_TOKENS = 8
 
 def kvstore_threads(server: VLLMServer) -> dict[str, list[int]]:
     """{kernel thread name: [nice of each such thread]} of kvstore's threads (named "kvs-...",
-    kvstore.threads.make_thread) in the server's processes (its session), from /proc."""
+    kvstore.io.threads.make_thread) in the server's processes (its session), from /proc."""
     out: dict[str, list[int]] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:

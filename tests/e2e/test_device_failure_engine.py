@@ -19,7 +19,7 @@ import time
 import pytest
 
 from e2e_util import MAX_TOKENS, assert_same, info, wait_stored
-from kvstore.serving.client import Client
+from kvstore.drivers.client import Client
 from mount_util import loop_ext4
 
 

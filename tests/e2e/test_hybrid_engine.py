@@ -1,5 +1,5 @@
 """kvstore inside a real vLLM engine serving a hybrid model: a Gemma 2 (random weights,
-`kvstore.serving.models.TINY_GEMMA2`) whose every other layer attends to the last 64
+`kvstore.drivers.models.TINY_GEMMA2`) whose every other layer attends to the last 64
 tokens only, so vLLM's hybrid KV cache manager keeps a full-attention and a
 sliding-window KV cache group (vLLM's CPU build supports the hybrid manager).
 
@@ -18,9 +18,9 @@ import threading
 import pytest
 
 from e2e_util import MAX_TOKENS, Serve, assert_same, copy_store, fsck, info, wait_stored
-from kvstore.serving.client import Client
-from kvstore.serving.models import TINY_GEMMA2, default_dir, words
-from kvstore.serving.workload import Workload
+from kvstore.drivers.client import Client
+from kvstore.drivers.models import TINY_GEMMA2, default_dir, words
+from kvstore.drivers.workload import Workload
 from test_real_engine import _written_slots, hits
 
 # Preemption phase: four concurrent prompts of 300 tokens, each growing by 96 output
@@ -32,7 +32,7 @@ PREEMPT_PROMPTS, PREEMPT_TOKENS, PREEMPT_OUT, PREEMPT_BLOCKS = 4, 300, 96, 64
 @pytest.fixture(scope="module")
 def gemma_dir(engine):
     path = default_dir(TINY_GEMMA2.name)
-    r = subprocess.run([engine[0], "-c", f"from kvstore.serving.models import ensure_model; "
+    r = subprocess.run([engine[0], "-c", f"from kvstore.drivers.models import ensure_model; "
                                          f"ensure_model({TINY_GEMMA2.name!r}, {path!r})"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]

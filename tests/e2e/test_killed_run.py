@@ -1,5 +1,5 @@
 """A test run killed with SIGKILL in the middle of an e2e test leaves no server process and
-no mount behind: the server dies with the process that started it (kvstore.serving.server:
+no mount behind: the server dies with the process that started it (kvstore.drivers.server:
 PR_SET_PDEATHSIG and a parent-watch pipe that ends its process group, engine core and
 workers included), and the run's mounts live in its own mount namespace (tests/conftest.py),
 which ends with its last process (the loop device, attached with autoclear, detaches).

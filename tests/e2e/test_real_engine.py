@@ -16,10 +16,10 @@ import pytest
 from e2e_util import (
     MAX_TOKENS, assert_same, copy_store, fsck, info, kvstore_cli, kvstore_threads, wait_stored,
 )
-from kvstore import shared
-from kvstore.serving.client import Client
-from kvstore.serving.server import ServerStartError
-from kvstore.serving.workload import Workload
+from kvstore.store import shared
+from kvstore.drivers.client import Client
+from kvstore.drivers.server import ServerStartError
+from kvstore.drivers.workload import Workload
 
 
 def replay(server, workload):
@@ -44,7 +44,7 @@ def test_identical_tokens_cold_and_after_restart(serve, workload, reference, tmp
         threads, base = kvstore_threads(s), os.getpriority(os.PRIO_PROCESS, s.proc.pid)
     assert stored > 0
     # vLLM's CPU build runs its forward on these CPUs: kvstore's I/O threads keep the
-    # process's priority there (io_thread_nice defaults to 0, kvstore.threads.io_nice).
+    # process's priority there (io_thread_nice defaults to 0, kvstore.io.threads.io_nice).
     assert {"kvs-index", "kvs-io-rank0"} <= set(threads), threads
     assert all(n == [base] * len(n) for n in threads.values()), (base, threads)
     # A new process on the same store: vLLM's own prefix cache is empty, kvstore is not.

@@ -22,8 +22,8 @@ import threading
 import pytest
 
 from e2e_util import MAX_TOKENS, Serve, assert_same, fsck, info
-from kvstore.serving.client import Client
-from kvstore.serving.models import TINY, words
+from kvstore.drivers.client import Client
+from kvstore.drivers.models import TINY, words
 
 CLIENTS = 8
 KILLS = 3

@@ -21,9 +21,9 @@ import os
 import time
 
 from e2e_util import MAX_TOKENS, assert_same, fsck, info, wait_stored
-from kvstore import shared
-from kvstore.serving.client import Client
-from kvstore.serving.workload import Workload
+from kvstore.store import shared
+from kvstore.drivers.client import Client
+from kvstore.drivers.workload import Workload
 
 # The workload (fixture `workload`: documents doc0, doc1, chat sessions chat0, chat1,
 # two questions / turns each) in three parts, by request name:

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from e2e_util import MAX_TOKENS, assert_same, fsck, info
-from kvstore.serving.client import Client
-from kvstore.serving.models import SERVE_DTYPE
-from kvstore.serving.server import VLLMServer
+from kvstore.drivers.client import Client
+from kvstore.drivers.models import SERVE_DTYPE
+from kvstore.drivers.server import VLLMServer
 
 # Offloaded chunks of 64 tokens over the server's 32-token blocks: two engine blocks per
 # chunk, so a prefix that ends inside a chunk is a partial chunk copy.

@@ -26,10 +26,10 @@ from typing import Sequence
 
 from kvstore._copy import CopyEngine, CopyError  # noqa: F401  (CopyError: part of this API)
 from kvstore.errors import ConfigError
-from kvstore.layout import HEADER_SIZE
-from kvstore.staging import Staging
+from kvstore.format.layout import HEADER_SIZE
+from kvstore.io.staging import Staging
 
-log = logging.getLogger("kvstore.transfer")
+log = logging.getLogger("kvstore.vllm.transfer")
 
 @dataclass(frozen=True)
 class KVRegion:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from kvstore._keytable import SharedMap
 from kvstore.errors import KVStoreError, StoreLocked
 
-log = logging.getLogger("kvstore.shared")
+log = logging.getLogger("kvstore.store.shared")
 
 ENGINES_DIR = "engines"
 HDR = 4096

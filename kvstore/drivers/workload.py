@@ -1,6 +1,6 @@
 """Prefix-heavy traffic for a real server: multi-turn chats and questions over shared documents.
 
-Prompts are words of the model's own vocabulary (`kvstore.serving.models`), so a prompt of
+Prompts are words of the model's own vocabulary (`kvstore.drivers.models`), so a prompt of
 n words is n tokens. The same seed gives the same traffic; a chat's later turns carry the
 model's own earlier answers, so two runs agree on every prompt exactly when they agreed
 on every answer.
@@ -12,8 +12,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvstore.serving.client import Client, Completion
-from kvstore.serving.models import ModelSpec, words
+from kvstore.drivers.client import Client, Completion
+from kvstore.drivers.models import ModelSpec, words
 
 
 @dataclass

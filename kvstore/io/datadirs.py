@@ -4,8 +4,8 @@ Owns the data-directory marker (`kvstore-data.json`: which store and device a di
 belongs to), the checks made when a store is created or opened (a real directory, not a
 symlink; O_DIRECT accepted where asked; free space for the slot files; no two devices
 on one file system) and `probe_data_dir`, which the I/O path calls to tell an unmounted,
-read-only, foreign or failing device from a healthy one. Below `kvstore.rankio` and
-`kvstore.engine`, which both use it; imports neither.
+read-only, foreign or failing device from a healthy one. Below `kvstore.io.rank` and
+`kvstore.store.disk`, which both use it; imports neither.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import shutil
 import stat
 
 from kvstore.errors import ConfigError, KVStoreError, StoreNotFound
-from kvstore.layout import StoreGeometry, format_size
+from kvstore.format.layout import StoreGeometry, format_size
 
 
 def _check_dir(path: str) -> None:

@@ -1,6 +1,6 @@
 """RankIO: one rank's slot files, io_uring ring and staging memory.
 
-Owns the data path of one TP rank between its staging memory (`kvstore.staging.Staging`)
+Owns the data path of one TP rank between its staging memory (`kvstore.io.staging.Staging`)
 and its fixed-slot files: batches of slot images written (stamped by the ring, then made
 durable by one fdatasync per file) and read (checked by the ring as each completes),
 double-buffered so that the ring works on one chunk while the caller fills or drains
@@ -27,14 +27,14 @@ from kvstore import _slotfile
 from kvstore._hostbuf import HostBuffer
 from kvstore._ring import Ring
 from kvstore._slotfile import SlotFile
-from kvstore.datadirs import _check_dir, probe_data_dir
-from kvstore.device_stream import DeviceStream
+from kvstore.io.datadirs import _check_dir, probe_data_dir
+from kvstore.io.device_stream import DeviceStream
 from kvstore.errors import AlignmentError, ConfigError, CorruptSlot, KVStoreError
-from kvstore.layout import HEADER_SIZE, Layout, check_layout, device_dirs, read_fingerprint
-from kvstore.staging import Staging
-from kvstore.threads import make_thread
+from kvstore.format.layout import HEADER_SIZE, Layout, check_layout, device_dirs, read_fingerprint
+from kvstore.io.staging import Staging
+from kvstore.io.threads import make_thread
 
-log = logging.getLogger("kvstore.rankio")
+log = logging.getLogger("kvstore.io.rank")
 
 
 IO_MODES = ("direct", "page_cache")

@@ -9,7 +9,7 @@ this module. It never imports vLLM.
 
 `DiskStore` is the index side (longest prefix, pins, reservations, commits, LRU, stats)
 plus, for tools and tests, a convenience data path over every rank through
-`kvstore.rankio.RankIO` (one rank's slot files, ring and staging; re-exported here with
+`kvstore.io.rank.RankIO` (one rank's slot files, ring and staging; re-exported here with
 `SlotRef`, `rank_dir` and `slot_file_path`). vLLM workers use only RankIO (they never
 open LMDB).
 """
@@ -25,22 +25,22 @@ import numpy as np
 
 from kvstore._slotfile import SlotFile
 from kvstore.errors import ConfigError, KVStoreError, StoreNotFound
-from kvstore.index import Entry, Index
-from kvstore.shared import W_VALID, Lease, StoreLock
-from kvstore.layout import (
+from kvstore.index.core import Entry, Index
+from kvstore.store.shared import W_VALID, Lease, StoreLock
+from kvstore.format.layout import (
     Layout, StoreGeometry, check_data_dirs, check_layout, device_dirs,
     normalize_data_dirs, parse_size, read_fingerprint, write_fingerprint,
 )
 
-from kvstore.rankio import (  # noqa: F401  (RankIO, SlotRef and the paths are public here too)
+from kvstore.io.rank import (  # noqa: F401  (RankIO, SlotRef and the paths are public here too)
     IO_MODES, RankIO, SlotRef, _check_choice, create_iostats, rank_dir, slot_file_path,
 )
-from kvstore.datadirs import (  # noqa: F401  (probe_data_dir and DATA_MARKER are public here too)
+from kvstore.io.datadirs import (  # noqa: F401  (probe_data_dir and DATA_MARKER are public here too)
     DATA_MARKER, _check_data_dir, _check_dir, _check_distinct_dirs, _check_free_space, _claim_data_dir,
     _write_marker, probe_data_dir,
 )
 
-log = logging.getLogger("kvstore.engine")
+log = logging.getLogger("kvstore.store.disk")
 
 
 def _safe_mkdir(path: str) -> None:
@@ -127,7 +127,7 @@ class DiskStore:
     `DiskStore.create(path, layout, capacity)` makes a new store; `DiskStore(path, layout)`
     opens one and refuses it with LayoutMismatch naming the differing field. Exactly one
     writer per process; any number of engine processes attach to one store together
-    (`kvstore.shared`: a shared flock on LOCK and a lease each; `exclusive=True` is an
+    (`kvstore.store.shared`: a shared flock on LOCK and a lease each; `exclusive=True` is an
     offline repair's open, refused while any engine is attached) and any number of
     `readonly=True` openers. With `io=True` the store also opens a RankIO per rank so
     that `put`/`get` work (tools, tests, benchmarks); the vLLM scheduler uses io=False and
@@ -199,7 +199,7 @@ class DiskStore:
 
     @property
     def shared_slots(self):
-        """The store's shared slot generations (`kvstore.shared`), or None (read-only,
+        """The store's shared slot generations (`kvstore.store.shared`), or None (read-only,
         exclusive)."""
         return self.lease.slots if self.lease is not None else None
 
@@ -282,8 +282,8 @@ class DiskStore:
     def close(self) -> None:
         """Close ranks, index and lock (idempotent). Pins are dropped. In a child forked
         from the process that opened it, nothing is given back or closed: the store, its
-        lease and its reservations are the parent's (`kvstore.shared` drops the child's
-        copies of the lock files at fork, `kvstore.index` its LMDB environments)."""
+        lease and its reservations are the parent's (`kvstore.store.shared` drops the child's
+        copies of the lock files at fork, `kvstore.index.core` its LMDB environments)."""
         if self._pid != os.getpid():
             self.ranks, self.index, self.lease, self._lock = [], None, None, None
             self._pins.clear()

@@ -17,9 +17,9 @@ import numpy as np
 
 from kvstore._hostbuf import HostBuffer
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.layout import ALIGN, HEADER_SIZE
+from kvstore.format.layout import ALIGN, HEADER_SIZE
 
-log = logging.getLogger("kvstore.staging")
+log = logging.getLogger("kvstore.io.staging")
 
 
 class Staging:

@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from kvstore.errors import KVStoreError
-from kvstore.threads import make_thread
+from kvstore.io.threads import make_thread
 
 # Parts started on one ring at once: a Ring keeps at most 8 batches active, and one is
 # left for a plain call (a header read, an fdatasync) run between pumps. Parts posted

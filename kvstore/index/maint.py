@@ -1,8 +1,8 @@
 """Index maintenance: what only fsck, `--rebuild-index` and benchmarks use.
 
 Snapshots over every database (`snapshot`, `IndexSnapshot`), bulk loading of an empty index (`bulk_load`) and the rebuild that
-swaps a new index in (`rebuild_index`). The serving path (`kvstore.index.Index`, the
-scheduler's `kvstore.serving_index.ServingIndex`) never imports this module: everything here is
+swaps a new index in (`rebuild_index`). The serving path (`kvstore.index.core.Index`, the
+scheduler's `kvstore.lookup.table.ServingIndex`) never imports this module: everything here is
 O(entries) and reads the index's databases directly.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 import lmdb
 
 from kvstore.errors import KVStoreError
-from kvstore.index import _LRU, _U32, _U64, _VAL, Entry, Index, _entry
+from kvstore.index.core import _LRU, _U32, _U64, _VAL, Entry, Index, _entry
 
 __all__ = ["IndexSnapshot", "bulk_load", "rebuild_index", "snapshot"]
 

@@ -3,7 +3,7 @@
 Replays a realistic prefix-heavy workload (multi-turn chats over a shared system prompt,
 and questions over a few long shared documents: far more context than the simulated GPU
 KV cache holds) through the real vLLM scheduler with kvstore's connector (the CPU engine
-harness of `kvstore.testing`), then restarts the engine on the same store and replays the
+harness of `kvstore.drivers.simulator`), then restarts the engine on the same store and replays the
 same traffic. Every block loaded from disk is checked byte for byte against what
 recompute would have produced. Prints hit rates, tokens and bytes loaded instead of
 recomputed, load throughput, and the verification count.
@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import time
 
-from kvstore.layout import format_size
+from kvstore.format.layout import format_size
 
 
 def make_workload(seed: int = 7, sessions: int = 12, turns: int = 4, documents: int = 3,
@@ -51,7 +51,7 @@ def _connector_cfg(store: str, capacity: str, io_mode: str) -> dict:
 
 
 def _replay(prompts, store, capacity, io_mode, gpu_blocks, batch, workdir, tp_size):
-    from kvstore.testing import EngineHarness, write_model_dir
+    from kvstore.drivers.simulator import EngineHarness, write_model_dir
     t0 = time.perf_counter()
     # The model's identity is part of the store's layout: the demo model lives at one
     # fixed path, so a store kept with --store serves the next `kvstore demo` run too.

@@ -31,7 +31,7 @@ from typing import Callable, Iterable
 
 from kvstore.errors import ConfigError
 
-log = logging.getLogger("kvstore.threads")
+log = logging.getLogger("kvstore.io.threads")
 
 
 def parse_cpus(value, allowed: Iterable[int] | None = None) -> frozenset[int] | None:

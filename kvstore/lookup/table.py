@@ -23,7 +23,7 @@ While the table is being built at open (a few seconds at 10M entries, in the ind
 thread), lookups go to LMDB through read transactions and the pool keeps the slots
 reserved at open.
 
-A store shared with other engine processes (`kvstore.shared`): the table keeps this
+A store shared with other engine processes (`kvstore.store.shared`): the table keeps this
 engine's view, the pins live in its lease file (the others' evictions read them), and the
 store's shared slot generations say which entries still stand: a hit whose slot moved on
 (another engine evicted or dropped it) is cut there and leaves the table. A lookup that
@@ -48,15 +48,15 @@ from dataclasses import dataclass, field
 
 from kvstore._keytable import (KeySet, KeyTable, fingerprints, keys_with_packed, make_keys,
                                pin_counts_add, pin_counts_remove)
-from kvstore.engine import DiskStore
+from kvstore.store.disk import DiskStore
 from kvstore.errors import KVStoreError, StoreFull
-from kvstore.index import Entry
-from kvstore.layout import block_key
-from kvstore.rankio import Columns
-from kvstore.shared import W_ATTACHED
-from kvstore.threads import make_thread
+from kvstore.index.core import Entry
+from kvstore.format.layout import block_key
+from kvstore.io.rank import Columns
+from kvstore.store.shared import W_ATTACHED
+from kvstore.io.threads import make_thread
 
-log = logging.getLogger("kvstore.serving_index")
+log = logging.getLogger("kvstore.lookup.table")
 
 # Inside its LMDB transactions the index thread sleeps this long every few dozen rows
 # (`Index.pause`): the GIL is then free for the step thread, which would otherwise wait for
@@ -149,7 +149,7 @@ class ServingIndex:
     """See the module docstring. Methods without a leading underscore are for the step
     thread; `_run` and the helpers it calls run on the index thread."""
 
-    lease = None        # the store's `kvstore.shared.Lease` (None: not shared, or the baseline)
+    lease = None        # the store's `kvstore.store.shared.Lease` (None: not shared, or the baseline)
     reclaimed = 0
     cross_hits = 0
     _hits = _misses = 0     # (class defaults: the synchronous baseline counts at once)
@@ -572,7 +572,7 @@ class ServingIndex:
         """At open: fence every device whose data directory is not usable (missing,
         read-only, another store's), re-admit a fenced one that is back (see
         READMIT_AT_OPEN). Runs before the pool is filled and the table is built."""
-        from kvstore.datadirs import probe_data_dir
+        from kvstore.io.datadirs import probe_data_dir
         for d, path in enumerate(self.store.data_dirs):
             bad = probe_data_dir(path, self.store.path, d, direct)
             if bad is None and d in self.fences and self.fences[d][0] in self.READMIT_AT_OPEN:

@@ -1,7 +1,7 @@
 """`kvstore demo`: a real `vllm serve` with kvstore, restarted on the same store.
 
 Starts vLLM's OpenAI-compatible server with a real model (a random-weight Llama of about
-175M parameters made on this machine, `kvstore.serving.models`) and the kvstore connector,
+175M parameters made on this machine, `kvstore.drivers.models`) and the kvstore connector,
 sends multi-turn chats and questions over shared documents through the `openai` client
 (several requests in flight: each chat and each document is a lane of its own, lanes run
 side by side; `concurrency=1` replays them one at a time), stops the server, starts a new
@@ -10,7 +10,7 @@ the throughput (requests/s, output tokens/s) cold and after the restart, the pro
 that came from disk, and whether every completion matched the first run token for token.
 
 The engine is vLLM's CUDA build where it has a GPU, else its CPU build (`make engine`).
-`kvstore demo --simulated` is the older scheduler-level replay (`kvstore.demo_simulated`).
+`kvstore demo --simulated` is the older scheduler-level replay (`kvstore.drivers.demo_simulated`).
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ import tempfile
 import time
 
 from kvstore.errors import ConfigError
-from kvstore.serving.client import Client
-from kvstore.serving.models import SERVE_DTYPE, SPECS, ModelSpec, default_dir
-from kvstore.serving.server import VLLMServer, connector_config, engine_python
-from kvstore.serving.workload import Workload
+from kvstore.drivers.client import Client
+from kvstore.drivers.models import SERVE_DTYPE, SPECS, ModelSpec, default_dir
+from kvstore.drivers.server import VLLMServer, connector_config, engine_python
+from kvstore.drivers.workload import Workload
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -44,7 +44,7 @@ def prepare_model(model: str, python: str) -> tuple[str, ModelSpec]:
     import json
     if model in SPECS:
         path = default_dir(model)
-        code = ("import sys; from kvstore.serving.models import ensure_model; "
+        code = ("import sys; from kvstore.drivers.models import ensure_model; "
                 f"print(ensure_model({model!r}, {path!r}))")
         r = subprocess.run([python, "-c", code], capture_output=True, text=True)
         if r.returncode != 0:

@@ -23,7 +23,7 @@ Every slot is in exactly one of three states: *used* (a row in keys/slots/lru), 
 O(1)) or *reserved* (a row in ``reserved``: handed to an in-flight store, not yet
 committed). ``used + free + reserved == capacity`` always; `Index.check_consistency` verifies it.
 
-Several writers: every engine attached to the store (`kvstore.shared`) writes through its
+Several writers: every engine attached to the store (`kvstore.store.shared`) writes through its
 own `Index`; LMDB serializes their write transactions. A reservation made with `owner` set
 is also a row of ``owned``, so the survivors give a dead engine's reservations back
 (`reclaim_owner`). Any number of readonly openers (tools) may run at the same time.
@@ -281,10 +281,10 @@ class Index:
         # that found the list exhausted).
         self._free_epoch = 0
         self._free_dry = -1
-        # The engine (`kvstore.shared.Lease.owner`) whose reservations this handle makes:
+        # The engine (`kvstore.store.shared.Lease.owner`) whose reservations this handle makes:
         # each one is also a row of `owned`, so survivors can give them back if it dies.
         self.owner: bytes | None = None
-        # The store's shared slot generations (`kvstore.shared`; None when not shared):
+        # The store's shared slot generations (`kvstore.store.shared`; None when not shared):
         # commits publish, drops and fences retract inside their write transaction, so
         # every change to them is ordered by LMDB's writer lock with the other engines'
         # (an eviction claim clears them inside its transaction too). `_undo` holds what
@@ -394,7 +394,7 @@ class Index:
         except (KVStoreError, lmdb.Error) as exc:
             # Closing must not fail (the store's lock is released after this): what is
             # lost are batched hit/miss counters, and commits were already synced.
-            logging.getLogger("kvstore.index").warning(
+            logging.getLogger("kvstore.index.core").warning(
                 "index at %s: final flush on close failed: %s", self._path, exc)
         finally:
             self._env = None
