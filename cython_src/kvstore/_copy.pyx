@@ -121,7 +121,7 @@ cdef class CopyEngine:
     """Copies of block batches between one KV allocation and one staging memory.
 
     `rows`: (kv_off, block_stride, stage_off, length, num_blocks) per contiguous run of a
-    block (see kvstore.transfer.KVRegion.rows); `kv_base`/`kv_nbytes`: the KV allocation;
+    block (see kvstore.vllm.transfer.KVRegion.rows); `kv_base`/`kv_nbytes`: the KV allocation;
     `stage_base`/`stage_nbytes`/`slot_size`: the staging memory and its slot size.
     `device`: -1 for a KV cache in host memory (synchronous memcpy), else the CUDA
     ordinal of the KV cache (asynchronous DMA; the staging memory must be pinned).
