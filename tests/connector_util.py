@@ -104,14 +104,14 @@ def workers(h):
     return [c.worker for c in h.worker_connectors]
 
 
-def keys_of(h, tokens, salt: str | None = None) -> list[bytes]:
-    """Store keys (vLLM block hash + group id) of the full blocks of a prompt."""
+def keys_of(h, tokens, salt: str | None = None, group: int = 0) -> list[bytes]:
+    """Store keys (vLLM block hash + KV cache group id) of the full blocks of a prompt."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
     req = Request("probe", list(tokens), SamplingParams(max_tokens=1), None,
                   block_hasher=h._block_hasher, cache_salt=salt)
     from kvstore.vllm.config import block_key
-    return [block_key(bh) for bh in req.block_hashes]
+    return [block_key(bh, group) for bh in req.block_hashes]
 
 
 def flip_payload_byte(store, rank: int, slot: int, byte: int = 100) -> None:
@@ -132,6 +132,14 @@ def event_hash(key: bytes):
     """The block hash a KV event carries for a store key (vLLM's int conversion)."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
     return maybe_convert_block_hash(key[:-4])
+
+
+def store_and_forget(h, ps, **kw) -> None:
+    """Run the prompts `ps`, wait until their blocks are committed, then forget them on the
+    GPU side: the next pass over them must load from the store."""
+    h.run(ps, **kw)
+    settle(h)
+    drop_gpu_cache(h)
 
 
 def drop_gpu_cache(h) -> None:

@@ -1,4 +1,4 @@
-"""What the several-engines tests (tests/test_shared_index.py, tests/test_shared_races.py)
+"""What the several-engines tests (tests/lookup/test_shared_index.py, tests/store/test_shared_races.py)
 share: a one-rank layout, keys, a small store."""
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ keeps serving, and `kvstore warmup` must write into the store next to it.
 
 Covered elsewhere: fsck --deep next to a DiskStore writer and fsck --repair refused
 while one holds the lock (test_fsck.py::test_fsck_while_a_writer_serves); an exclusive
-open refused with an engine's pid (test_engine.py::
+open refused with an engine's pid (test_disk_store.py::
 test_second_engine_attaches_and_exclusive_open_is_refused_with_pid).
 """
 import json

@@ -150,7 +150,7 @@ def test_garbage_index_records(tmp_path_factory, db, k, v):
 
 def test_nothing_from_disk_is_unpickled_or_evaluated():
     """The readers of disk data use struct/json only: no pickle, eval or exec anywhere."""
-    root = os.path.join(os.path.dirname(__file__), "..")
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
     sources = [os.path.join(root, "kvstore", f) for f in ("index/core.py", "store/disk.py", "format/layout.py")]
     sources += [os.path.join(root, "cython_src", "kvstore", f) for f in ("_slotfile.pyx", "_ring.pyx", "_hostbuf.pyx")]
     for path in sources:

@@ -1,8 +1,8 @@
 """Fault campaign, permissions and paths: what a server refuses to open.
 
 Covered elsewhere (not repeated here): modes 0700/0600 of the store, rank dirs, slot
-files and kvstore.json (test_engine.py::test_create_layout_permissions); a symlinked
-store path and rank dir at the engine level (test_engine.py::
+files and kvstore.json (test_disk_store.py::test_create_layout_permissions); a symlinked
+store path and rank dir at the engine level (test_disk_store.py::
 test_symlinked_store_and_rank_dir_refused); a symlinked slot file at the SlotFile level
 (test_slotfile.py::test_symlink_refused); a store of another num_kv_heads / dtype /
 tp_size / num_layers / block_size refused by the connector before serving

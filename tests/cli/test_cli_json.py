@@ -21,7 +21,7 @@ from kvstore.cli import main
 from kvstore.store.disk import DiskStore
 from kvstore.format.layout import Layout
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BLOCK = 4096
 LAYOUT = Layout(model="tiny-llama", dtype="bfloat16", block_size=16, block_bytes=BLOCK,
                 num_layers=2, num_kv_heads=2, head_dim=16, tp_size=1)

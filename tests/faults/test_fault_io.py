@@ -23,15 +23,10 @@ import pytest
 
 from connector_util import (
     SLOT, conn_stats, drop_gpu_cache, keys_of, kv_harness, loads_ok, prompts, sched,
-    set_injector, settle, workers,
+    set_injector, settle, store_and_forget, workers,
 )
 from fault_util import fsck_json
 
-
-def _stored(h, ps, **kw):
-    h.run(ps, **kw)
-    settle(h)
-    drop_gpu_cache(h)
 
 
 @pytest.mark.parametrize("io_mode, cut", [("direct", 4096), ("page_cache", 1000)])
@@ -50,7 +45,7 @@ def test_short_reads_and_writes_are_completed(tmp_path, io_mode, cut):
 
     with kv_harness(store, tp_size=2, extra={"io_mode": io_mode}) as h:
         set_injector(h, short_everything)
-        _stored(h, ps, max_tokens=1)
+        store_and_forget(h, ps, max_tokens=1)
         s = conn_stats(h)
         assert s["stored_blocks"] == 15 and s.get("store_dropped_blocks", 0) == 0, s
         before = dict(h.stats)
@@ -94,7 +89,7 @@ def test_short_write_count_is_never_committed(tmp_path):
         real = w.io.ring
         w.io.ring = _LyingRing(real, 4096)        # reports only the header as written
         try:
-            _stored(h, ps, max_tokens=1)
+            store_and_forget(h, ps, max_tokens=1)
         finally:
             w.io.ring = real
         s = conn_stats(h)

@@ -11,15 +11,9 @@ import pytest
 
 from connector_util import (
     BS, SLOT, Gate, conn_stats, drop_gpu_cache, event_hash, keys_of, kv_harness, loads_ok,
-    flip_payload_byte, prompts, sched, set_injector, settle, workers,
+    flip_payload_byte, prompts, sched, set_injector, settle, store_and_forget, workers,
 )
 
-
-def _stored(h, ps, **kw):
-    """Run `ps`, wait until their blocks are committed, forget them on the GPU side."""
-    h.run(ps, **kw)
-    settle(h)
-    drop_gpu_cache(h)
 
 
 # ----------------------------------------------------------------------------- faults
@@ -30,7 +24,7 @@ def test_corrupted_slot_is_recomputed_and_dropped(tmp_path, rank):
     store = tmp_path / "store"
     ps = prompts(20, 2, 90)                      # 5 full blocks each
     with kv_harness(store, tp_size=2, kv_events=True) as h:
-        _stored(h, ps, max_tokens=1)
+        store_and_forget(h, ps, max_tokens=1)
         keys = keys_of(h, ps[0])
         bad = sched(h).store.lookup(keys[2])
         flip_payload_byte(store, rank, bad.slot)
@@ -65,7 +59,7 @@ def test_eio_on_load_is_recomputed_and_entry_dropped(tmp_path):
     store = tmp_path / "store"
     ps = prompts(21, 2, 90)
     with kv_harness(store, kv_events=True) as h:
-        _stored(h, ps, max_tokens=1)
+        store_and_forget(h, ps, max_tokens=1)
         keys0, keys1 = keys_of(h, ps[0]), keys_of(h, ps[1])
         old = sched(h).store.lookup(keys0[3])
         victim = old.slot
@@ -102,7 +96,7 @@ def test_eio_on_every_read_still_serves(tmp_path):
     store = tmp_path / "store"
     ps = prompts(22, 3, 70)
     with kv_harness(store) as h:
-        _stored(h, ps, max_tokens=1)
+        store_and_forget(h, ps, max_tokens=1)
         set_injector(h, lambda op, fds, offs, lens:
                       [(i, "error", errno.EIO) for i in range(len(fds))] if op == "read" else [])
         before = dict(h.stats)
@@ -120,7 +114,7 @@ def test_stalled_load_times_out_and_recomputes(tmp_path):
     store = tmp_path / "store"
     ps = prompts(23, 2, 70)
     with kv_harness(store, extra={"load_timeout_s": 0.3}) as h:
-        _stored(h, ps, max_tokens=1)
+        store_and_forget(h, ps, max_tokens=1)
         keys = keys_of(h, ps[0]) + keys_of(h, ps[1])
         gate = Gate("read")                      # the disk does not answer until opened ...
         set_injector(h, gate)
@@ -161,7 +155,7 @@ def test_abort_while_load_in_flight(tmp_path):
     store = tmp_path / "store"
     ps = prompts(24, 3, 90)
     with kv_harness(store) as h:
-        _stored(h, ps, max_tokens=1)
+        store_and_forget(h, ps, max_tokens=1)
         gate = Gate("read")
         set_injector(h, gate)
         rids = [h.add_request(p, max_tokens=4) for p in ps]
@@ -194,7 +188,7 @@ def test_pins_of_a_request_waiting_for_gpu_blocks(tmp_path):
     store = tmp_path / "store"
     ps = prompts(25, 2, 90)
     with kv_harness(store, num_gpu_blocks=12, max_num_batched_tokens=256) as h:
-        _stored(h, ps[:1], max_tokens=1)
+        store_and_forget(h, ps[:1], max_tokens=1)
         hog = h.add_request(ps[1], max_tokens=60)   # 6 of the 11 GPU blocks, growing
         h.step()
         r = h.add_request(ps[0], max_tokens=1)       # needs 6 blocks: only 5 are free
@@ -219,7 +213,7 @@ def test_preemption_while_a_load_is_in_flight(tmp_path):
     # far beyond the loop's deadline: it stays in flight however slow the steps are.
     with kv_harness(store, extra={"load_timeout_s": 600}, num_gpu_blocks=16,
                     max_num_batched_tokens=128) as h:
-        _stored(h, [stored], max_tokens=1)
+        store_and_forget(h, [stored], max_tokens=1)
         ra = h.add_request(a[:30], max_tokens=80)
         rb = h.add_request(b[:30], max_tokens=80)
         h.step()
@@ -366,7 +360,7 @@ def test_queued_loads_share_one_ring_pass_and_stores_keep_their_place(tmp_path):
         w.io.read_pipelined = lambda refs, *a, **k: (passes.append(len(refs)), orig(refs, *a, **k))[1]
         try:
             ps = prompts(41, 6, 70)
-            _stored(h, ps, max_tokens=1)
+            store_and_forget(h, ps, max_tokens=1)
             before = dict(h.stats)
             st = h.run(ps, max_tokens=2)
         finally:
@@ -386,7 +380,7 @@ def test_a_load_job_the_io_thread_cannot_take_fails_alone(tmp_path, monkeypatch,
     import kvstore.vllm.worker as worker_mod
     ps = prompts(29, 2, 70)
     with kv_harness(tmp_path / "store", extra={"load_timeout_s": 20}) as h:
-        _stored(h, ps, max_tokens=1)
+        store_and_forget(h, ps, max_tokens=1)
         bad_hash = keys_of(h, ps[0])[0][:-4]
         real = worker_mod.load_keys
 

@@ -27,7 +27,7 @@ from kvstore.format.layout import Layout
 from kvstore.tools import warmup as W
 from kvstore.vllm.keys import prompt_block_keys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BS = 16           # tokens per block
 BLOCK = 8192
 SLOT = 4096 + BLOCK

@@ -16,7 +16,7 @@ import pytest
 import vllm  # noqa: E402,F401  (needed: a vLLM that does not import fails these tests)
 
 from connector_util import (BS, Gate, conn_stats, drop_gpu_cache,  # noqa: E402
-                            flip_payload_byte, kv_config, kv_harness, loads_ok, open_fds,
+                            flip_payload_byte, keys_of, kv_config, kv_harness, loads_ok, open_fds,
                             prompts, sched, set_injector, settle)
 
 from kvstore.errors import ConfigError, LayoutMismatch  # noqa: E402
@@ -25,15 +25,6 @@ WINDOW = 32          # tokens: the window before a hit's end is 2 blocks
 MAMBA = {"sliding_window": WINDOW, "mamba": True, "num_layers": 3}
 FULL, SWA, SSM = 0, 1, 2     # group ids
 
-
-def _keys(h, tokens, group):
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-
-    from kvstore.format.layout import block_key
-    req = Request("probe", list(tokens), SamplingParams(max_tokens=1), None,
-                  block_hasher=h._block_hasher)
-    return [block_key(bh, group) for bh in req.block_hashes]
 
 
 def _on_disk(h, keys) -> list[bool]:
@@ -68,9 +59,9 @@ def test_three_groups_round_trip_through_a_restart(tmp_path, kw):
         h.run(ps, max_tokens=2)
         settle(h)
         for p in ps:
-            assert all(_on_disk(h, _keys(h, p, FULL))) and all(_on_disk(h, _keys(h, p, SWA)))
+            assert all(_on_disk(h, keys_of(h, p, group=FULL))) and all(_on_disk(h, keys_of(h, p, group=SWA)))
             # Mamba: only the state vLLM handed off, the one at the replay boundary.
-            assert _on_disk(h, _keys(h, p, SSM)) == [False] * 7 + [True]
+            assert _on_disk(h, keys_of(h, p, group=SSM)) == [False] * 7 + [True]
         s_, hit = _replay(h, ps, max_tokens=2)
         loads_ok(s_)
         assert hit == 3 * 8 * BS
@@ -100,11 +91,11 @@ def test_a_hit_ends_at_the_last_stored_mamba_state(tmp_path):
         settle(h)
         h.run([c], max_tokens=1)
         settle(h)
-        ssm = _on_disk(h, _keys(h, c, SSM))
+        ssm = _on_disk(h, keys_of(h, c, group=SSM))
         assert [i for i, x in enumerate(ssm) if x] == [7, 11]
         d = c[:176] + prompts(84, 1, 40)[0]
-        assert all(_on_disk(h, _keys(h, d, FULL)[:11]))
-        assert all(_on_disk(h, _keys(h, d, SWA)[:11]))
+        assert all(_on_disk(h, keys_of(h, d, group=FULL)[:11]))
+        assert all(_on_disk(h, keys_of(h, d, group=SWA)[:11]))
         s, hit = _replay(h, [d], max_tokens=1)
         loads_ok(s)
         assert hit == 128
@@ -133,8 +124,8 @@ def test_hits_land_on_the_states_vllm_retained(tmp_path, interval, chunk, states
                     **MAMBA) as h:
         h.run([a], max_tokens=1)
         settle(h)
-        assert [i for i, x in enumerate(_on_disk(h, _keys(h, a, SSM))) if x] == states
-        assert all(_on_disk(h, _keys(h, a, SWA)))      # sliding window: stored densely
+        assert [i for i, x in enumerate(_on_disk(h, keys_of(h, a, group=SSM))) if x] == states
+        assert all(_on_disk(h, keys_of(h, a, group=SWA)))      # sliding window: stored densely
         for share in (150, 100):
             b = a[:share] + prompts(96, 1, 60)[0]
             s, hit = _replay(h, [b], max_tokens=1)
@@ -157,13 +148,13 @@ def test_several_mamba_groups_each_need_their_state(tmp_path):
         h.run(ps, max_tokens=2)
         settle(h)
         for g in (2, 3):
-            assert all(_on_disk(h, _keys(h, p, g)) == [False] * 7 + [True] for p in ps)
+            assert all(_on_disk(h, keys_of(h, p, group=g)) == [False] * 7 + [True] for p in ps)
     with kv_harness(store, **kw) as h:
         s = h.run(ps, max_tokens=2)
         loads_ok(s)
         assert s["external_hit_tokens"] == 2 * 8 * BS
         assert s["blocks_loaded"] == 2 * (8 + WINDOW // BS + 2)
-        sched(h).index.drop([_keys(h, ps[0], 3)[7]])
+        sched(h).index.drop([keys_of(h, ps[0], group=3)[7]])
         sched(h).index.flush()
         s, hit = _replay(h, ps, max_tokens=1)
         assert hit == 8 * BS and s["blocks_mismatched"] == 0   # only ps[1] hits
@@ -177,7 +168,7 @@ def test_a_hit_moves_back_when_the_state_is_dropped(tmp_path):
     with kv_harness(store, **MAMBA) as h:
         h.run([p], max_tokens=1)
         settle(h)
-        key = _keys(h, p, SSM)[7]
+        key = keys_of(h, p, group=SSM)[7]
         sched(h).index.drop([key])
         sched(h).index.flush()
         s, hit = _replay(h, [p], max_tokens=1)
@@ -198,7 +189,7 @@ def test_a_corrupt_mamba_slot_fails_the_request_through_failed_recving(tmp_path)
     with kv_harness(store, **MAMBA) as h:
         h.run([p], max_tokens=1)
         settle(h)
-        key = _keys(h, p, SSM)[7]
+        key = keys_of(h, p, group=SSM)[7]
         entry = sched(h).store.lookup(key)
         flip_payload_byte(store, 0, entry.slot, byte=100)   # inside the state's bytes
         drop_gpu_cache(h)
@@ -343,7 +334,7 @@ def test_hand_offs_are_read_in_build_connector_meta_and_filtered(tmp_path):
         ((g, block_id, boundary),) = offloads[rid]
         assert (g, boundary) == (SSM, 128) and block_id != 0
         assert so.kv_connector_block_state is None          # cleared by vLLM
-        key = _keys(h, p, SSM)[7]
+        key = keys_of(h, p, group=SSM)[7]
         assert key in s._storing_keys                      # planned from the hand-off
         from vllm.v1.core.sched.output import KVConnectorBlockState
 
@@ -381,8 +372,8 @@ def test_lazy_policy_stores_mamba_states_from_the_hand_offs(tmp_path):
         h.run(prompts(93, 4, 120), max_tokens=1)
         settle(h)
         for p in ps:
-            assert all(_on_disk(h, _keys(h, p, FULL)))
-            assert _on_disk(h, _keys(h, p, SSM)) == [False] * 7 + [True]
+            assert all(_on_disk(h, keys_of(h, p, group=FULL)))
+            assert _on_disk(h, keys_of(h, p, group=SSM)) == [False] * 7 + [True]
     with kv_harness(store, **lazy, **MAMBA) as h:
         s = h.run(ps, max_tokens=1)
         loads_ok(s)
@@ -402,7 +393,7 @@ def test_a_stored_mamba_state_is_announced_with_its_group(tmp_path):
         h.step()                                    # publish the last step's events
         ev = [e for e in h.events if isinstance(e, BlockStored) and e.medium == "STORAGE"
               and e.group_idx == SSM]
-        want = {event_hash(_keys(h, p, SSM)[7]): p[7 * BS:8 * BS] for p in ps}
+        want = {event_hash(keys_of(h, p, group=SSM)[7]): p[7 * BS:8 * BS] for p in ps}
         assert {e.block_hashes[0]: list(e.token_ids) for e in ev} == want
         assert all(len(e.block_hashes) == 1 and e.block_size == BS for e in ev)
 
@@ -483,7 +474,7 @@ def test_a_request_aborted_while_its_failing_load_is_in_flight_leaves_nothing(
     with kv_harness(store, **kw) as h:
         h.run([p], max_tokens=1)
         settle(h)
-        key = _keys(h, p, group)[block]
+        key = keys_of(h, p, group=group)[block]
         entry = sched(h).store.lookup(key)
         flip_payload_byte(store, 0, entry.slot, byte=100)
         drop_gpu_cache(h)
@@ -521,7 +512,7 @@ def test_states_vllm_retains_during_decode_are_stored_and_hit(tmp_path, interval
         h.drain()
         settle(h)
         full = a + h.finished[rid]
-        assert [i for i, x in enumerate(_on_disk(h, _keys(h, full, SSM))) if x] == states
+        assert [i for i, x in enumerate(_on_disk(h, keys_of(h, full, group=SSM))) if x] == states
         s, hit = _replay(h, [full[:150] + prompts(71, 1, 20)[0]], max_tokens=1)
         loads_ok(s)
         assert hit == want and s["states_read"] > 0
@@ -547,7 +538,7 @@ def test_a_failed_load_under_policy_fail_leaves_nothing(tmp_path, kw, group, blo
     try:
         h.run([p], max_tokens=1)
         settle(h)
-        key = _keys(h, p, group)[block]
+        key = keys_of(h, p, group=group)[block]
         flip_payload_byte(store, 0, sched(h).store.lookup(key).slot, byte=100)
         drop_gpu_cache(h)
         h.run([p], max_tokens=2)

@@ -18,7 +18,7 @@ from kvstore.errors import ConfigError, CorruptIndex, KVStoreError, StoreFull
 from kvstore.index.core import Entry, Index
 from kvstore.index.maint import bulk_load
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def k(i: int) -> bytes:

@@ -24,15 +24,6 @@ HYB = {"sliding_window": 32, "num_layers": 2}
 MAMBA = {"sliding_window": 32, "mamba": True, "num_layers": 3}
 
 
-def _keys(h, tokens, group=0):
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-
-    from kvstore.format.layout import block_key
-    req = Request("probe", list(tokens), SamplingParams(max_tokens=1), None,
-                  block_hasher=h._block_hasher)
-    return [block_key(bh, group) for bh in req.block_hashes]
-
 
 def _on_disk(h, keys) -> int:
     st = sched(h).store
@@ -113,7 +104,7 @@ def test_second_sight_stores_a_prefix_seen_twice_and_serves_it_after_restart(tmp
         s = sched(h)
         assert not s._storing_keys
         for p in once + twice:     # first sighting: remembered, nothing stored
-            assert all(_on_disk(h, _keys(h, p, g)) == 0 for g in groups)
+            assert all(_on_disk(h, keys_of(h, p, group=g)) == 0 for g in groups)
         rejected = conn_stats(h)["admission_rejected_blocks"]
         assert rejected == s._admission.rejected == s._admission.probes
         if groups == (0,):
@@ -129,9 +120,9 @@ def test_second_sight_stores_a_prefix_seen_twice_and_serves_it_after_restart(tmp
         settle(h)
         assert not s._storing_keys
         for p in twice:
-            assert _on_disk(h, _keys(h, p, 0)) == 8
+            assert _on_disk(h, keys_of(h, p, group=0)) == 8
         for p in once:
-            assert _on_disk(h, _keys(h, p, 0)) == 0
+            assert _on_disk(h, keys_of(h, p, group=0)) == 0
     with kv_harness(store, extra=SECOND, **kw) as h:     # restart: the filter is empty
         st = h.run(twice, max_tokens=2)
         loads_ok(st)
@@ -141,11 +132,11 @@ def test_second_sight_stores_a_prefix_seen_twice_and_serves_it_after_restart(tmp
         assert st["blocks_loaded"] == before                # never stored: recomputed
         settle(h)
         for p in once:    # the filter is memory only: a first sighting again
-            assert _on_disk(h, _keys(h, p, 0)) == 0
+            assert _on_disk(h, keys_of(h, p, group=0)) == 0
         h.run(once, max_tokens=2)
         settle(h)
         for p in once:    # and the second one stores them
-            assert _on_disk(h, _keys(h, p, 0)) == 8
+            assert _on_disk(h, keys_of(h, p, group=0)) == 8
 
 
 def test_admission_always_is_todays_behaviour(tmp_path):
@@ -177,13 +168,13 @@ def test_second_sight_lazy_counts_a_block_waiting_for_eviction_once(tmp_path):
         h.run(p, max_tokens=2)
         h.idle_steps(5)
         settle(h)
-        assert _on_disk(h, _keys(h, p[0])) == 0
+        assert _on_disk(h, keys_of(h, p[0])) == 0
         assert len(sched(h)._lazy_sighted) == 8      # waiting in the head, probed once each
         assert sched(h)._admission.probes == 8
         h.run(p, max_tokens=2)                       # a GPU hit: seen again
         h.idle_steps(5)
         settle(h)
-        assert _on_disk(h, _keys(h, p[0])) == 8
+        assert _on_disk(h, keys_of(h, p[0])) == 8
         assert not sched(h)._lazy_sighted and not sched(h)._storing_keys
     with kv_harness(store, **kw) as h:
         st = h.run(p, max_tokens=2)
@@ -198,7 +189,7 @@ def test_lazy_without_admission_stores_at_first_sight(tmp_path):
         h.run(p, max_tokens=2)
         h.idle_steps(5)
         settle(h)
-        assert _on_disk(h, _keys(h, p[0])) == 8
+        assert _on_disk(h, keys_of(h, p[0])) == 8
 
 
 def test_second_sight_keeps_mamba_states_so_a_twice_seen_prefix_hits(tmp_path):
@@ -211,11 +202,11 @@ def test_second_sight_keeps_mamba_states_so_a_twice_seen_prefix_hits(tmp_path):
         h.run(ps, max_tokens=2)
         settle(h)
         for p in ps:
-            assert _on_disk(h, _keys(h, p, 0)) == 0 and _on_disk(h, _keys(h, p, 1)) == 0
-            assert _on_disk(h, _keys(h, p, 2)) == 1       # the state at the boundary
+            assert _on_disk(h, keys_of(h, p, group=0)) == 0 and _on_disk(h, keys_of(h, p, group=1)) == 0
+            assert _on_disk(h, keys_of(h, p, group=2)) == 1       # the state at the boundary
         h.run(ps[:1], max_tokens=2)                       # seen again (a GPU hit)
         settle(h)
-        assert _on_disk(h, _keys(h, ps[0], 0)) == 8
+        assert _on_disk(h, keys_of(h, ps[0], group=0)) == 8
     with kv_harness(store, extra=SECOND, **MAMBA) as h:
         st = h.run(ps[:1], max_tokens=2)
         loads_ok(st)

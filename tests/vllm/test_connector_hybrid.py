@@ -12,23 +12,14 @@ import pytest
 import vllm  # noqa: E402,F401  (needed: a vLLM that does not import fails these tests)
 
 from connector_util import (BS, conn_stats, drop_gpu_cache, flip_payload_byte,  # noqa: E402
-                            kv_config, kv_harness, loads_ok, open_fds, prompts, sched,
-                            settle)
+                            keys_of, kv_config, kv_harness, loads_ok, open_fds, prompts,
+                            sched, settle)
 
 from kvstore.errors import LayoutMismatch  # noqa: E402
 
 WINDOW = 32          # tokens: the window before a hit's end is 2 blocks
 HYB = {"sliding_window": WINDOW, "num_layers": 2}
 
-
-def _keys(h, tokens, group):
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-
-    from kvstore.format.layout import block_key
-    req = Request("probe", list(tokens), SamplingParams(max_tokens=1), None,
-                  block_hasher=h._block_hasher)
-    return [block_key(bh, group) for bh in req.block_hashes]
 
 
 def _replay(h, ps, **kw):
@@ -49,7 +40,7 @@ def test_two_groups_round_trip_through_a_restart(tmp_path):
         st = sched(h).store
         for p in ps:                         # every group's completed blocks are stored
             for g in (0, 1):
-                assert all(st.lookup(k) is not None for k in _keys(h, p, g)), g
+                assert all(st.lookup(k) is not None for k in keys_of(h, p, group=g)), g
         failed_before = h.stats["failed_recving"]
         s, hit = _replay(h, ps, max_tokens=2)
         loads_ok(s)
@@ -73,7 +64,7 @@ def test_a_hit_ends_where_the_window_is_on_disk(tmp_path):
     with kv_harness(store, **HYB) as h:
         h.run([p], max_tokens=1)
         settle(h)
-        sw = _keys(h, p, 1)
+        sw = keys_of(h, p, group=1)
         sched(h).index.drop(sw[5:8])
         sched(h).index.flush()
         s, hit = _replay(h, [p], max_tokens=1)
@@ -96,7 +87,7 @@ def test_a_corrupt_slot_fails_the_whole_request_through_failed_recving(tmp_path)
     with kv_harness(store, **HYB) as h:
         h.run([p], max_tokens=1)
         settle(h)
-        full = _keys(h, p, 0)
+        full = keys_of(h, p, group=0)
         entry = sched(h).store.lookup(full[3])
         flip_payload_byte(store, 0, entry.slot)
         drop_gpu_cache(h)

@@ -30,7 +30,7 @@ from kvstore.format.layout import Layout
 from kvstore.tools import fsck as F
 from kvstore.tools.fsck import fsck
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BLOCK = 8192
 SLOT = 4096 + BLOCK
 NKEYS = 24

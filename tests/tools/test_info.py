@@ -19,7 +19,7 @@ from kvstore.store.disk import DiskStore, slot_file_path
 from kvstore.format.layout import Layout
 from kvstore.tools.info import format_text, gather
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BLOCK = 8192
 SLOT = 4096 + BLOCK
 

@@ -1,5 +1,5 @@
 """Fault campaign, disk full. Slot files are preallocated at creation (a store larger
-than the free space is refused up front: test_engine.py::
+than the free space is refused up front: test_disk_store.py::
 test_capacity_larger_than_disk_refused_at_create, test_ring.py::
 test_slotfile_preallocation_enospc_is_clear), so while serving only the LMDB index can
 need more disk. Here the store lives on a small tmpfs that another writer fills up

@@ -2,7 +2,7 @@
 
 liburing's importer (dynamic_import 2024.5.2) removes and rewrites its cache file on every
 import, so two processes importing liburing at once can die with FileNotFoundError (CI saw
-it: engines started together in tests/test_shared_store.py). kvstore imports liburing under
+it: engines started together in tests/store/test_shared_store.py). kvstore imports liburing under
 an flock on its package directory and retries a race with a process that does not lock.
 """
 import os
@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def _spawn(code):
