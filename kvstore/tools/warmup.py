@@ -401,6 +401,9 @@ def warmup(store: str, prompts: str | None = None, *, from_store: str | None = N
         raise ConfigError("give a prompts file (or --all with --from-store)")
     if chunk_blocks < 1:
         raise ConfigError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
+    if not all_blocks:
+        for path in (store, from_store):
+            _refuse_tier_store(path, "--model" if model is not None else "a prompts file")
     if model is not None:
         return _warmup_model(store, prompts, model, tokenizer=tokenizer, fmt=fmt, dry_run=dry_run,
                              progress=progress, group=group, connector_config=connector_config,
@@ -453,6 +456,27 @@ def warmup(store: str, prompts: str | None = None, *, from_store: str | None = N
             dst.close()
     finally:
         src.close()
+
+
+# The hash_algo of a store written by kvstore's secondary tier (kvstore.vllm.tier): its keys
+# are vLLM's offload keys of whole primary chunks.
+TIER_HASH_ALGO = "vllm-offload-key"
+
+
+def _refuse_tier_store(path: str | None, what: str) -> None:
+    """A secondary tier's store cannot be warmed from prompts: its keys are vLLM's
+    OffloadingConnector chunk keys (a block hash of vLLM's configured algorithm, which
+    the store does not record, per chunk of blocks), so warmup cannot compute them from
+    tokens, and an engine run with the kvstore connector writes another layout."""
+    if path is None or not os.path.lexists(os.path.join(path, "kvstore.json")):
+        return
+    if read_fingerprint(path)[0].hash_algo != TIER_HASH_ALGO:
+        return
+    raise ConfigError(
+        f"{path} is the store of a secondary tier (KVStoreTier of vLLM's OffloadingConnector): "
+        f"its keys are vLLM's offload chunk keys, which warmup cannot compute from {what}. "
+        "Copy a whole tier store of the same layout with `kvstore warmup STORE --from-store "
+        "SRC --all`, or fill it by serving the prompts through vLLM with the tier.")
 
 
 def _repairing(store: str) -> StoreLocked:

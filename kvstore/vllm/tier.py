@@ -347,10 +347,16 @@ class KVStoreTier(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if self.closed:
             return LookupResult.MISS
-        if self._sidx.contains(key):
-            self._counts["hits"] += 1
-            return LookupResult.HIT
-        return LookupResult.MISS
+        sidx = self._sidx
+        if not sidx.contains(key):
+            # another engine on the store may have it (in LMDB, not in this table): one
+            # index read, only while other engines are attached; the entry joins the table
+            slots, _ = sidx.lookup_pin([key])
+            if not slots:
+                return LookupResult.MISS
+            sidx.unpin(slots)
+        self._counts["hits"] += 1
+        return LookupResult.HIT
 
     def touch(self, keys, req_context: ReqContext):
         if keys and not self.closed:

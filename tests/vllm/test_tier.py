@@ -10,9 +10,15 @@ against it too (`tier` parameter); where it has not, a test shows what it does i
 """
 from __future__ import annotations
 
+import fcntl
+import json
+import multiprocessing as mp
 import os
+import struct
+import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,6 +38,8 @@ from kvstore.errors import ConfigError, LayoutMismatch
 from kvstore.format.layout import HEADER_SIZE
 from kvstore.io.rank import slot_file_path
 from kvstore.vllm.tier import KVStoreTier, TierMetrics
+
+from mount_util import loop_ext4
 
 ROW = 64 << 10            # primary chunk bytes of the tests' layout (page-aligned)
 SLOT = ROW + HEADER_SIZE  # kvstore slot of one chunk
@@ -597,3 +605,179 @@ def test_kvstore_tools_read_a_tier_store(engines, tmp_path):
     assert r.exit_code != 0
     doc = json.loads(r.output)
     assert not doc["clean"] and doc["findings"], r.output
+
+
+# ------------------------------------------------------------------------- several devices
+
+@pytest.fixture
+def disks(tmp_path):
+    """Three loop-mounted ext4 file systems (24 MiB each), a data directory `kv` on each;
+    yields (data dirs, mount points)."""
+    mnts = []
+    try:
+        for i in range(3):
+            mnts.append(loop_ext4(tmp_path, f"nvme{i}", 24))
+            (mnts[-1] / "kv").mkdir()
+        yield [str(m / "kv") for m in mnts], [str(m) for m in mnts]
+    finally:
+        for m in mnts:
+            subprocess.run(["umount", "-l", str(m)], check=False, capture_output=True)
+
+
+def _ext4_shutdown(mnt: str) -> None:
+    """EXT4_IOC_SHUTDOWN (NOLOGFLUSH): the file system fails every later I/O with EIO."""
+    fd = os.open(mnt, os.O_RDONLY)
+    try:
+        fcntl.ioctl(fd, 0x8004587D, struct.pack("I", 2))
+    finally:
+        os.close(fd)
+
+
+def _devices(e: Engine) -> dict[bytes, int]:
+    """Key -> device of every committed entry of a kvstore tier."""
+    e.tier._sidx.flush()
+    st = e.tier._store
+    return {x.key: st.geometry.device_of(x.slot) for x in st.index.iter_entries()}
+
+
+def test_kvstore_data_dirs_spread_and_a_failed_device_is_fenced(engines, tmp_path, disks):
+    """Chunks spread over every data directory; when one device fails (a real kernel EIO:
+    ext4's shutdown ioctl), its chunks answer MISS, the others still hit with their
+    bytes, later stores land on the devices left, and no wrong byte reaches the primary."""
+    dirs, mnts = disks
+    e = engines(tier_entry("kvstore", tmp_path, data_dirs=dirs, capacity=120 * SLOT,
+                           device_eio_limit=1), chunks=32)
+    keys = [key(i) for i in range(24)]
+    e.store(keys)
+    dev = _devices(e)
+    assert set(dev) == set(keys)
+    assert sorted(set(dev.values())) == [0, 1, 2]          # striped over the three
+    e.evict_from_primary(keys)
+    _ext4_shutdown(mnts[1])
+    res = e.lookup(keys)
+    assert [r is LookupResult.HIT for r in res] == [dev[k] != 1 for k in keys]
+    good = [k for k in keys if dev[k] != 1]
+    for k, got in zip(good, e.read(good)):
+        assert np.array_equal(got, payload(k))
+    assert 1 in e.tier._fenced
+    with e.m.lock:
+        assert all(e.tier.lookup(k, ReqContext(req_id="x")) is LookupResult.MISS
+                   for k in keys if dev[k] == 1)
+    # the fenced device takes no new chunk; what is stored now hits from the others
+    new = [key(500 + i) for i in range(12)]
+    e.store(new)
+    dev = _devices(e)
+    assert all(k in dev and dev[k] != 1 for k in new)
+    assert not any(d == 1 for d in dev.values())            # its entries left the index
+    e.evict_from_primary(new, base=20_000)
+    assert e.lookup(new) == [LookupResult.HIT] * len(new)
+    for k, got in zip(new, e.read(new)):
+        assert np.array_equal(got, payload(k))
+
+
+# ------------------------------------------------------------------------- several engines
+
+def _engine_child(root: str, cmds, out) -> None:
+    """A second engine (its own process, its own vLLM manager and primary) on the same
+    tier store, driven by (command, chunk numbers) messages."""
+    e = None
+    try:
+        e = Engine(tier_entry("kvstore", Path(root)))
+        out.put(("ready",))
+        while True:
+            cmd, arg = cmds.get()
+            if cmd == "stop":
+                break
+            ks = [key(i) for i in arg]
+            if cmd == "store":
+                e.store(ks)
+                e.tier._sidx.flush()
+                out.put(("stored",))
+            elif cmd == "load":
+                res = e.lookup(ks)
+                hits = [k for k, r in zip(ks, res) if r is LookupResult.HIT]
+                same = [bool(np.array_equal(g, payload(k))) for k, g in zip(hits, e.read(hits))] \
+                    if hits else []
+                out.put(([r is LookupResult.HIT for r in res], same))
+    except BaseException as exc:       # the parent reads what went wrong
+        out.put(("error", repr(exc)))
+    finally:
+        if e is not None:
+            e.close()
+        out.put(("closed",))
+
+
+def test_two_engines_on_one_tier_store(engines, tmp_path):
+    """Two engines (two processes, two vLLM managers) serve from one tier store at once:
+    what one stores, the other finds (it is in LMDB only, not in that engine's table) and
+    loads with identical bytes, both ways; a chunk both store is one entry."""
+    ctx = mp.get_context("spawn")
+    cmds, out = ctx.Queue(), ctx.Queue()
+    a = engines(tier_entry("kvstore", tmp_path))      # creates the store
+    child = ctx.Process(target=_engine_child, args=(str(tmp_path), cmds, out), daemon=True)
+    child.start()
+    try:
+        assert out.get(timeout=180) == ("ready",)
+        mine = [key(i) for i in range(8)]
+        a.store(mine)
+        a.tier._sidx.flush()
+        cmds.put(("load", list(range(8))))
+        hit, same = out.get(timeout=120)
+        assert hit == [True] * 8 and same == [True] * 8
+        cmds.put(("store", list(range(100, 108)) + [0, 1]))
+        assert out.get(timeout=120) == ("stored",)
+        theirs = [key(100 + i) for i in range(8)]
+        assert a.lookup(theirs) == [LookupResult.HIT] * 8
+        for k, got in zip(theirs, a.read(theirs)):
+            assert np.array_equal(got, payload(k))
+        both = [key(300 + i) for i in range(4)]
+        a.store(both)
+        cmds.put(("store", list(range(300, 304))))
+        assert out.get(timeout=120) == ("stored",)
+        cmds.put(("stop", []))
+        assert out.get(timeout=120) == ("closed",)
+        child.join(30)
+        assert child.exitcode == 0
+        a.close()
+        with DiskStore(str(tmp_path / "kvstore"), readonly=True) as st:
+            entries = [x.key for x in st.index.iter_entries()]
+            assert sorted(entries) == sorted(set(mine + theirs + both))    # one entry each
+            assert st.index.check_consistency() == []
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+
+
+# ------------------------------------------------------------------------- warmup
+
+def test_warmup_copies_a_tier_store_and_refuses_prompts(engines, tmp_path):
+    """`kvstore warmup --from-store SRC --all` seeds a new tier store (block keys are
+    copied, not computed), which a tier then serves with identical bytes; prompts (and
+    --model) are refused for a tier store, saying why: its keys are vLLM's offload
+    chunk keys, which warmup cannot compute from tokens."""
+    from click.testing import CliRunner
+
+    from kvstore.cli import main
+    keys = [key(i) for i in range(6)]
+    (tmp_path / "a").mkdir()
+    src = engines(tier_entry("kvstore", tmp_path / "a"))
+    src.store(keys)
+    src.close()
+    a, b = str(tmp_path / "a" / "kvstore"), str(tmp_path / "b" / "kvstore")
+    (tmp_path / "b").mkdir()
+    r = CliRunner().invoke(main, ["warmup", b, "--from-store", a, "--all", "--json", "-q"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["blocks_written"] == len(keys)
+    e = engines(tier_entry("kvstore", tmp_path / "b"))
+    assert e.lookup(keys) == [LookupResult.HIT] * len(keys)
+    for k, got in zip(keys, e.read(keys)):
+        assert np.array_equal(got, payload(k))
+    e.close()
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]\n")
+    for args in (["warmup", b, str(prompts), "--from-store", a, "--format", "tokens"],
+                 ["warmup", b, str(prompts), "--model", "some/model", "--format", "tokens"]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code != 0
+        assert "secondary tier" in r.output and "--all" in r.output, r.output
