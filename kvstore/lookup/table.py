@@ -9,8 +9,10 @@ sits between it and the store's LMDB `Index`:
   LMDB ahead of time (free slots first, then LRU victims, whose keys leave the table
   before their slots are handed out);
 - **writes** (`commit`, `abort`, `touch`, `drop`, hit counters) are queued to the index
-  thread and never waited for; their outcomes (entries committed, evicted, dropped) come
-  back through `poll`.
+  thread and never waited for, one operation object per call (`kvstore.lookup.ops`:
+  `CommitBlocksOp`, `TouchOp`, ...); their outcomes (entries committed, evicted, dropped)
+  come back through `poll`, one event object each (`kvstore.lookup.events`: `Committed`,
+  `Evicted`, `Dropped`, ...).
 
 LMDB stays the durable truth and the table follows it: a key enters the table only after
 its commit is fsynced (so a hit is always durable), and leaves it before LMDB forgets it.
@@ -44,7 +46,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 from kvstore._keytable import (KeySet, KeyTable, fingerprints, keys_with_packed, make_keys,
                                pin_counts_add, pin_counts_remove)
@@ -55,6 +56,11 @@ from kvstore.format.layout import block_key
 from kvstore.io.rank import Columns
 from kvstore.store.shared import W_ATTACHED
 from kvstore.io.threads import make_thread
+from kvstore.lookup.events import (AnnounceBatch, Committed, Counted, Dropped, Evicted, Failed,
+                                   IndexEvent)
+from kvstore.lookup.ops import (DROP_ALL, REFILL, STOP, AbortOp, CommitBlocksOp, CommitOp,
+                                CountHitsOp, CountNewOp, DropAllOp, DropOp, FenceOp, IndexOp,
+                                MarkOp, RefillOp, StopOp, TouchBlocksOp, TouchOp)
 
 log = logging.getLogger("kvstore.lookup.table")
 
@@ -69,28 +75,6 @@ _PEERS_EVERY_S = 0.5
 # The index thread counts a dry pool's dropped blocks in slices this long (`count_dropped`).
 _COUNT_SLICE = 128
 _SWEEP_BUCKETS = 1 << 16
-
-
-@dataclass
-class IndexEvent:
-    """An outcome of the index thread, for the step thread (`ServingIndex.poll`)."""
-    kind: str                       # "committed", "evicted", "dropped", "announce", "counted",
-    #                                 "error"
-    tag: object = None              # the caller's tag of a commit (its store job)
-    items: list = field(default_factory=list)    # committed: (key, slot, generation) now hits;
-    #                                              announce: the events to publish
-    keys: list = field(default_factory=list)     # evicted/dropped: keys that left the index;
-    #                                              committed: every key of the job, in order
-    failed: int = 0                 # committed: blocks not committed (stale or write error)
-    count: int = 0                  # committed: blocks committed (`items` may be left empty);
-    #                                 counted: new blocks a dry pool dropped (`count_dropped`);
-    #                                 evicted: how many (`keys` may be left empty)
-    fps: bytes = b""                # committed (commit_blocks): every key's fingerprint
-    #                                 (empty once the index thread released them itself)
-    released: bool = False          # committed: every key left the caller's `release` set
-    packed: tuple | None = None     # committed, unkeyed: the job's (hashes, group runs)
-    error: Exception | None = None  # error: what failed (the step thread logs it once)
-    what: str = ""
 
 
 def _empty_pool() -> tuple[array.array, array.array]:
@@ -158,12 +142,12 @@ class ServingIndex:
                  probe_devices: str | None = None, thread_cpus: frozenset[int] | None = None,
                  evicted_keys: bool = True):
         self.store = store
-        # "evicted" events carry the evicted keys (KV events name them), or only their
+        # `Evicted` events carry the evicted keys (KV events name them), or only their
         # count: then the keys are freed here, not on the step thread that polls.
         self._evicted_keys = evicted_keys
         # After a restart, every entry on disk is announced (KV events a router learns
         # from): `announce(keys)` makes a batch's events on the index thread, posted in
-        # order with evictions and drops (an "announce" IndexEvent), two batches at most
+        # order with evictions and drops (an `AnnounceBatch` event), two batches at most
         # waiting for the step thread (`announced` gives one back).
         self._announce = announce
         self._announce_room = threading.Semaphore(2)
@@ -199,7 +183,7 @@ class ServingIndex:
         # lookup's do).
         self._pool_lock = threading.Lock()
         self._pool_slots, self._pool_gens = _empty_pool()
-        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._ops: queue.SimpleQueue[IndexOp] = queue.SimpleQueue()
         self._events: deque[IndexEvent] = deque()
         self._posted = threading.Event()
         self._queued = 0            # commits queued and not applied (step thread reads)
@@ -391,12 +375,12 @@ class ServingIndex:
     def count_dropped(self, hashes: list, start: int, stop: int, skip, group: int = 0) -> None:
         """Count what a dry (or short) pool drops of an eager walk, blocks start..stop, as
         `KeyTable.count_new` counts them, on the index thread: the step thread does no per-block
-        work for blocks it does not store. The count comes back as a "counted" event (one
+        work for blocks it does not store. The count comes back as a `Counted` event (one
         per call, posted even if counting failed). `hashes` is vLLM's list (only appended
         to); `skip` (the keys being stored) is read under the GIL, as the step thread
         changes it. Queuing it also refills the pool (every round of the index thread
         does)."""
-        self._ops.put(("count_new", hashes, start, stop, skip, group))
+        self._ops.put(CountNewOp(hashes, start, stop, skip, group))
 
     def available(self) -> int:
         """Slots in the pool now: how many blocks a store planned this step can take (only
@@ -476,15 +460,15 @@ class ServingIndex:
                 del self._pool_slots[:want], self._pool_gens[:want]
         if want:    # taken from, or dry (pins may have gone since): the index thread refills
             self._send_counts()
-            self._ops.put(("refill",))
+            self._ops.put(REFILL)
         return slots, gens
 
     def commit(self, good: Sequence[tuple], bad: Sequence[tuple] = (), tag=None) -> None:
         """Queue: abort `bad`, commit `good` ((key, slot, generation) durably written on
-        every rank) with one fsync; a "committed" event with `tag` follows. Keys become hits
+        every rank) with one fsync; a `Committed` event with `tag` follows. Keys become hits
         once it is applied."""
         self._queued += 1
-        self._ops.put(("commit", list(good), list(bad), tag))
+        self._ops.put(CommitOp(list(good), list(bad), tag))
 
     def commit_blocks(self, keys: list, slots: list, gens: list, failed=(), tag=None,
                       packed: tuple | None = None, keys_back: bool = True,
@@ -492,7 +476,7 @@ class ServingIndex:
         """commit() of parallel lists, block indices in `failed` aborted: the (key, slot,
         generation) tuples are made on the index thread, not the step thread. `packed` =
         (hashes, group runs): more blocks after `keys`, whose keys the index thread makes
-        too. The "committed" event's `fps` are every block's key fingerprint, in order
+        too. The `Committed` event's `fps` are every block's key fingerprint, in order
         (`KeySet.discard_fingerprints`); its `keys` (every key) and `items` only with
         `keys_back`: without, no key or tuple of the job is freed on the step thread.
         With `release` (the step thread's set of keys being stored), the index thread
@@ -500,39 +484,38 @@ class ServingIndex:
         are in the table (a walk sees each key in one or the other, never neither), and
         the event's `fps` is empty: the step thread does no per-block work for a commit."""
         self._queued += 1
-        self._ops.put(("commit_blocks", keys, slots, gens, failed, tag, packed, keys_back,
-                       release))
+        self._ops.put(CommitBlocksOp(keys, slots, gens, failed, tag, packed, keys_back, release))
 
     def abort(self, items: Sequence[tuple]) -> None:
         """Queue: give (key, slot, generation) reservations back."""
         if items:
-            self._ops.put(("abort", list(items)))
+            self._ops.put(AbortOp(list(items)))
 
     def touch(self, keys: Sequence[bytes]) -> None:
         if keys:
-            self._ops.put(("touch", list(keys)))
+            self._ops.put(TouchOp(list(keys)))
 
     def touch_blocks(self, runs: list[tuple[list, list]]) -> None:
         """touch() of packed hits: (hashes, group runs) each, as a LoadJob carries them;
         their keys are made on the index thread (`make_keys`)."""
         if runs:
-            self._ops.put(("touch_blocks", runs))
+            self._ops.put(TouchBlocksOp(runs))
 
     def drop(self, keys: Sequence[bytes]) -> None:
         """Remove entries (a load found them bad): no new lookup hits them from now on; a
-        "dropped" event names the ones LMDB removed."""
+        `Dropped` event names the ones LMDB removed."""
         if not keys:
             return
         keys = list(keys)
         with self._lock:
             self._table.remove_many(keys)
-        self._ops.put(("drop", keys))
+        self._ops.put(DropOp(keys))
 
     def drop_all(self) -> None:
         """Every committed entry goes (reset_cache): misses from now on."""
         with self._lock:
             self._table.clear()
-        self._ops.put(("drop_all",))
+        self._ops.put(DROP_ALL)
 
     def count_hits(self, hits: int, misses: int) -> None:
         """Add to the store's hit/miss counters. Summed here and handed to the index
@@ -545,7 +528,7 @@ class ServingIndex:
 
     def _send_counts(self) -> None:
         if self._hits or self._misses:
-            self._ops.put(("count", self._hits, self._misses))
+            self._ops.put(CountHitsOp(self._hits, self._misses))
             self._hits = self._misses = 0
 
     # -- failed devices --------------------------------------------------------------
@@ -560,7 +543,7 @@ class ServingIndex:
         with self._lock:
             self._table.remove_device(self.ndev, dev)
         removed = self._purge_pool(dev)
-        self._ops.put(("fence", dev, reason, removed))
+        self._ops.put(FenceOp(dev, reason, removed))
         return True
 
     # A fence of these reasons is lifted at open once the device probes fine (it was
@@ -612,10 +595,10 @@ class ServingIndex:
                     "not used until `kvstore fsck --repair` re-admits it", dev,
                     self.store.data_dirs[dev], reason, len(dropped))
         if dropped:
-            self._post(IndexEvent("dropped", keys=[e.key for e in dropped]))
+            self._post(Dropped(keys=[e.key for e in dropped]))
 
     def announced(self) -> None:
-        """The step thread published an "announce" batch: room for the next."""
+        """The step thread published an `AnnounceBatch`: room for the next."""
         self._announce_room.release()
 
     @property
@@ -651,7 +634,7 @@ class ServingIndex:
         """Wait until every queued operation is applied (tests, benchmarks, shutdown)."""
         done = threading.Event()
         self._send_counts()
-        self._ops.put(("mark", done))
+        self._ops.put(MarkOp(done))
         if not done.wait(timeout):
             raise KVStoreError(f"index thread did not catch up within {timeout:.0f}s")
 
@@ -661,7 +644,7 @@ class ServingIndex:
             return
         self._closed = True
         self._send_counts()
-        self._ops.put(("stop",))
+        self._ops.put(STOP)
         self._thread.join(timeout=120)
         self.index.pause = None
         if self._thread.is_alive():
@@ -675,7 +658,7 @@ class ServingIndex:
         self._posted.set()
 
     def _fail(self, what: str, exc: Exception) -> None:
-        self._post(IndexEvent("error", what=what, error=exc))
+        self._post(Failed(what=what, error=exc))
 
     def _read_gauges(self) -> dict:
         s = self.index.stats()
@@ -728,51 +711,48 @@ class ServingIndex:
             hits = misses = 0
             marks = []
             for op in ops:
-                kind = op[0]
                 try:
-                    if kind == "touch":
-                        touches.extend(op[1])
-                        continue
-                    if kind == "touch_blocks":
-                        for hashes, groups in op[1]:
-                            touches.extend(make_keys(hashes, groups))
-                        continue
+                    match op:
+                        case TouchOp(keys):
+                            touches.extend(keys)
+                            continue
+                        case TouchBlocksOp(runs):
+                            for hashes, groups in runs:
+                                touches.extend(make_keys(hashes, groups))
+                            continue
                     if touches:         # keep the order of touches and the other writes
                         self._touch(touches)
                         touches = []
-                    if kind == "commit":
-                        self._commit(op[1], op[2], op[3])
-                    elif kind == "commit_blocks":
-                        try:
-                            keys = keys_with_packed(op[1], op[6])
-                        except Exception as exc:    # (the walk made them: no memory)
-                            self._unkeyed(op[2], op[5], exc, op[6])
-                            continue
-                        self._commit(*_split_failed(keys, op[2], op[3], op[4]), op[5], keys,
-                                     op[7], op[8])
-                    elif kind == "abort":
-                        self.index.abort(op[1])
-                    elif kind == "drop":
-                        self._drop(op[1])
-                    elif kind == "drop_all":
-                        self._drop_all()
-                    elif kind == "fence":
-                        self._fence(op[1], op[2], op[3])
-                    elif kind == "count_new":
-                        n = 0
-                        try:
-                            n = self._count_dropped(*op[1:])
-                        finally:            # the step thread waits for every count
-                            self._post(IndexEvent("counted", count=n))
-                    elif kind == "count":
-                        hits += op[1]
-                        misses += op[2]
-                    elif kind == "mark":
-                        marks.append(op[1])
-                    elif kind == "stop":
-                        stop = True
+                    match op:
+                        case CommitOp(good, bad, tag):
+                            self._commit(good, bad, tag)
+                        case CommitBlocksOp():
+                            self._commit_blocks(op)
+                        case AbortOp(items):
+                            self.index.abort(items)
+                        case DropOp(keys):
+                            self._drop(keys)
+                        case DropAllOp():
+                            self._drop_all()
+                        case FenceOp(dev, reason, removed):
+                            self._fence(dev, reason, removed)
+                        case CountNewOp(hashes, start, stop_at, skip, group):
+                            n = 0
+                            try:
+                                n = self._count_dropped(hashes, start, stop_at, skip, group)
+                            finally:        # the step thread waits for every count
+                                self._post(Counted(count=n))
+                        case CountHitsOp():
+                            hits += op.hits
+                            misses += op.misses
+                        case MarkOp():
+                            marks.append(op.done)
+                        case StopOp():
+                            stop = True
+                        case RefillOp():
+                            pass            # every round refills the pool
                 except Exception as exc:
-                    self._fail(kind, exc)
+                    self._fail(op.what, exc)
             try:
                 if touches:
                     self._touch(touches)
@@ -789,6 +769,15 @@ class ServingIndex:
             for m in marks:
                 m.set()
 
+    def _commit_blocks(self, op: CommitBlocksOp) -> None:
+        try:
+            keys = keys_with_packed(op.keys, op.packed)
+        except Exception as exc:    # (the walk made them: no memory)
+            self._unkeyed(op.slots, op.tag, exc, op.packed)
+            return
+        self._commit(*_split_failed(keys, op.slots, op.gens, op.failed), op.tag, keys,
+                     op.keys_back, op.release)
+
     def _announce_next(self, batches):
         """Post the next batch of announcements (1024 keys); None (and `announcing`
         false) when every entry found at open is announced or announcing failed."""
@@ -802,7 +791,7 @@ class ServingIndex:
                 events.extend(self._announce(keys[i:i + 1024]))
                 self._yield()
             # In order with evictions and drops; not a wake-up for the step thread.
-            self._events.append(IndexEvent("announce", items=events))
+            self._events.append(AnnounceBatch(events=events))
             return batches
         except Exception as exc:
             self._announce = None
@@ -863,14 +852,13 @@ class ServingIndex:
                 self._pool_slots.extend(slots)
                 self._pool_gens.extend(gens)
             if evicted:
-                self._post(IndexEvent("evicted", keys=evicted if self._evicted_keys else [],
-                                      count=len(evicted)))
+                self._post(Evicted(keys=evicted if self._evicted_keys else [], count=len(evicted)))
             if len(slots) < n:
                 return      # everything left is pinned or reserved: try again later
 
     def _commit(self, good: list[tuple], bad: list[tuple], tag, keys: list | None = None,
                 keys_back: bool = True, release: KeySet | None = None) -> None:
-        """Abort bad, commit good; post the "committed" event (with `keys`: their
+        """Abort bad, commit good; post the `Committed` event (with `keys`: their
         fingerprints, or with `release` those discarded from it here; with `keys_back` the
         keys and committed items too)."""
         failed = len(bad)
@@ -918,17 +906,16 @@ class ServingIndex:
         if released:
             fps = b""
         if error is not None:
-            self._post(IndexEvent("committed", tag=tag, failed=len(good) + len(bad), error=error,
-                                  keys=back, fps=fps, released=released))
+            self._post(Committed(tag=tag, failed=len(good) + len(bad), error=error, keys=back,
+                                 fps=fps, released=released))
             self._retry_abort(list(good) + list(bad))
             return
         try:
             self._gauges = self._read_gauges()  # the step that takes the event sees them
         except KVStoreError:
             pass
-        self._post(IndexEvent("committed", tag=tag, items=live if keys_back else [],
-                              count=len(live), failed=failed, keys=back, fps=fps,
-                              released=released))
+        self._post(Committed(tag=tag, items=live if keys_back else [], count=len(live),
+                             failed=failed, keys=back, fps=fps, released=released))
 
     @staticmethod
     def _release(release: KeySet | None, fps: bytes) -> bool:
@@ -941,19 +928,18 @@ class ServingIndex:
 
     def _unkeyed(self, slots: list, tag, exc: Exception, packed: tuple | None = None) -> None:
         """A commit whose keys could not be made: its reservations go back (by slot), and
-        its "committed" event reports every block failed, so the step thread is never
+        its `Committed` event reports every block failed, so the step thread is never
         left waiting for it; the event hands `packed` back (the step thread releases what
         keys of it it can)."""
         self._applied += 1
-        self._post(IndexEvent("committed", tag=tag, failed=len(slots), error=exc,
-                              packed=packed))
+        self._post(Committed(tag=tag, failed=len(slots), error=exc, packed=packed))
         self._retry_abort(list(slots))
 
     def _retry_abort(self, items: list[tuple]) -> None:
         try:
             self.index.abort(items)
         except KVStoreError:
-            self._ops.put(("abort", items))  # still unwritable: next round
+            self._ops.put(AbortOp(items))  # still unwritable: next round
             time.sleep(0.05)
 
     def _touch(self, keys: list[bytes]) -> None:
@@ -966,7 +952,7 @@ class ServingIndex:
         if dropped:     # (their generations were retracted in the drop's transaction)
             with self._lock:
                 self._table.remove_many([e.key for e in dropped], [e.slot for e in dropped])
-            self._post(IndexEvent("dropped", keys=[e.key for e in dropped]))
+            self._post(Dropped(keys=[e.key for e in dropped]))
 
     def _drop_all(self) -> None:
         keys = [e.key for e in self.index.iter_entries()]
@@ -1107,8 +1093,7 @@ class SyncServingIndex(ServingIndex):
         return _packed_plan(hashes, keys, bids, idx, packed)
 
     def count_dropped(self, hashes, start, stop, skip, group=0):
-        self._post(IndexEvent("counted", count=self._count_new_lmdb(hashes, start, stop,
-                                                                   skip, group)))
+        self._post(Counted(count=self._count_new_lmdb(hashes, start, stop, skip, group)))
 
     def available(self):
         return 1 << 30      # no pool: take reserves in LMDB (and evicts) on this thread
@@ -1120,7 +1105,7 @@ class SyncServingIndex(ServingIndex):
         except StoreFull:
             return [], []
         if evicted:
-            self._post(IndexEvent("evicted", keys=[e.key for e in evicted], count=len(evicted)))
+            self._post(Evicted(keys=[e.key for e in evicted], count=len(evicted)))
         return [s for _, s, _ in items], [g for _, _, g in items]
 
     def commit(self, good, bad=(), tag=None):
@@ -1155,7 +1140,7 @@ class SyncServingIndex(ServingIndex):
         if keys:
             dropped = self.index.drop(list(keys))
             if dropped:
-                self._post(IndexEvent("dropped", keys=[e.key for e in dropped]))
+                self._post(Dropped(keys=[e.key for e in dropped]))
 
     def drop_all(self):
         keys = [e.key for e in self.index.iter_entries()]
@@ -1171,7 +1156,7 @@ class SyncServingIndex(ServingIndex):
         self.fences[dev] = (reason, int(time.time()))
         dropped = self.index.fence_device(dev, self.ndev, reason)
         if dropped:
-            self._post(IndexEvent("dropped", keys=[e.key for e in dropped]))
+            self._post(Dropped(keys=[e.key for e in dropped]))
         return True
 
     def gauges(self):

@@ -22,6 +22,7 @@ from vllm.v1.core.kv_cache_utils import (
 from kvstore.store.disk import DiskStore, ensure_store
 from kvstore._keytable import KeySet, SeenFilter, keys_with_packed, make_keys
 from kvstore.errors import KVStoreError
+from kvstore.lookup.events import AnnounceBatch, Committed, Counted, Dropped, Evicted, Failed
 from kvstore.lookup.table import ServingIndex, SyncServingIndex
 from kvstore.vllm.config import ConnectorConfig, block_key
 from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob
@@ -718,7 +719,7 @@ class KVStoreScheduler:
     def _index_events(self) -> None:
         """Outcomes of the index thread: commits applied, entries evicted or dropped."""
         for ev in self.index.poll():
-            if ev.kind == "committed":
+            if isinstance(ev, Committed):
                 st = ev.tag
                 self._committing -= 1
                 # every key of the job left `_storing_keys` on the index thread (`release`);
@@ -740,19 +741,19 @@ class KVStoreScheduler:
                                     store_dropped_blocks=ev.failed)
                 if ev.items and self.events_enabled:
                     self._emit_stored(ev.items, st, keys)
-            elif ev.kind == "evicted":
+            elif isinstance(ev, Evicted):
                 self._stats.add(evicted_blocks=ev.count)
                 self._emit_removed(ev.keys)
-            elif ev.kind == "counted":     # new blocks a dry pool dropped
+            elif isinstance(ev, Counted):     # new blocks a dry pool dropped
                 self._counting -= 1
                 if ev.count:
                     self._stats.add(store_dropped_blocks=ev.count)
-            elif ev.kind == "dropped":
+            elif isinstance(ev, Dropped):
                 self._emit_removed(ev.keys)
-            elif ev.kind == "announce":     # entries found on disk at start
-                self._events.extend(ev.items)
+            elif isinstance(ev, AnnounceBatch):     # entries found on disk at start
+                self._events.extend(ev.events)
                 self.index.announced()
-            elif ev.kind == "error":
+            elif isinstance(ev, Failed):
                 self._warn_once(ev.what, ev.error)
 
     # -- events ----------------------------------------------------------------------

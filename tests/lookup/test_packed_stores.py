@@ -11,6 +11,7 @@ import pytest
 from connector_util import (conn_stats, drop_gpu_cache, keys_of, kv_harness, prompts,
                             record_dropped_counts, sched, settle, workers)
 from kvstore._keytable import KeySet, KeyTable, make_keys
+from kvstore.lookup.events import Committed
 from kvstore.vllm.metadata import StoreJob, store_keys
 from kvstore.vllm.scheduler import _Plan, _split_runs
 
@@ -207,7 +208,7 @@ def test_a_committed_event_gives_back_fingerprints_and_keys_only_when_asked(tmp_
         ix.commit_blocks(made, slots, gens, {2}, tag="job", packed=(got, [(1, 5)]),
                          keys_back=keys_back)
         ix.flush()
-        (ev,) = [e for e in ix.poll() if e.kind == "committed"]
+        (ev,) = [e for e in ix.poll() if isinstance(e, Committed)]
         want = made + make_keys(hashes, [(1, 5)])
         assert ev.count == 5 and ev.failed == 1 and ev.tag == "job"
         assert ev.keys == (want if keys_back else [])
@@ -244,7 +245,7 @@ def test_the_index_thread_releases_a_committed_jobs_keys_from_the_being_stored_s
         ix.commit_blocks([], slots, gens, failed, tag="job", packed=(got, [(0, 5)]),
                          keys_back=False, release=storing)
         ix.flush()
-        (ev,) = [e for e in ix.poll() if e.kind == "committed"]
+        (ev,) = [e for e in ix.poll() if isinstance(e, Committed)]
         assert ev.released and ev.fps == b"" and ev.failed == len(failed)
         keys = make_keys(hashes, [(0, 5)])
         assert [k in storing for k in keys] == [False] * 5
@@ -291,7 +292,7 @@ def test_a_commit_whose_keys_cannot_be_made_reports_every_block_failed(tmp_path)
         ix.commit_blocks([], slots, gens, (), tag="bad", packed=(hashes, [(0, 3)]),
                          keys_back=False)
         ix.flush()
-        (ev,) = [e for e in ix.poll() if e.kind == "committed"]
+        (ev,) = [e for e in ix.poll() if isinstance(e, Committed)]
         assert ev.tag == "bad" and ev.failed == 4 and ev.count == 0 and ev.error is not None
         assert ev.packed == (hashes, [(0, 3)]) and not ev.released   # for the step thread
         assert ix.pending_commits() == 0

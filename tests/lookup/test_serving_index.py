@@ -13,6 +13,7 @@ import pytest
 from kvstore._keytable import KeyTable
 from kvstore.store.disk import DiskStore, SlotRef
 from kvstore.format.layout import Layout
+from kvstore.lookup.events import Committed, Counted, Evicted, Failed
 from kvstore.lookup.table import ServingIndex, SyncServingIndex
 
 BB = 4096
@@ -271,7 +272,7 @@ def test_commit_is_a_hit_only_once_applied_and_survives_reopen(tmp_path):
     assert ix.lookup_pin(keys) == ([], [])    # reserved, not committed: no hit
     ix.commit(list(zip(keys, slots, gens)), tag="job")
     ix.flush()
-    evs = [e for e in ix.poll() if e.kind == "committed"]
+    evs = [e for e in ix.poll() if isinstance(e, Committed)]
     assert evs and evs[0].tag == "job" and evs[0].failed == 0
     assert evs[0].items == list(zip(keys, slots, gens))
     hit = hits(ix, keys + [k(99)] + keys)
@@ -304,7 +305,7 @@ def test_pinned_slots_are_never_evicted_into_the_pool(tmp_path):
     assert all(ix.contains(r.key) for r in a + c)
     assert not any(ix.contains(r.key) for r in b)
     assert all(st.lookup(r.key) is None for r in b)        # LMDB agrees with the table
-    evs = [e for e in ix.poll() if e.kind == "evicted"]
+    evs = [e for e in ix.poll() if isinstance(e, Evicted)]
     assert sorted(x for e in evs for x in e.keys) == sorted(r.key for r in b)
     assert [e.count for e in evs] == [len(e.keys) for e in evs]
     ix.unpin(r.slot for r in pinned)
@@ -322,7 +323,7 @@ def test_evicted_events_carry_only_a_count_when_no_kv_events_need_the_keys(tmp_p
     a = store_keys(ix, [k(i) for i in range(4)])
     store_keys(ix, [k(i) for i in range(4, 8)])         # full: the refill evicts A
     ix.flush()
-    evs = [e for e in ix.poll() if e.kind == "evicted"]
+    evs = [e for e in ix.poll() if isinstance(e, Evicted)]
     assert sum(e.count for e in evs) == 4 and all(e.keys == [] for e in evs)
     assert not any(ix.contains(r.key) for r in a)
     ix.close()
@@ -436,10 +437,10 @@ def test_a_dry_pools_drops_are_counted_off_the_step_thread(tmp_path, path):
             ix.flush()
             assert threads and all(t == ix._thread.ident for t in threads)
         evs = ix.poll()
-        counted = [e.count for e in evs if e.kind == "counted"]
+        counted = [e.count for e in evs if isinstance(e, Counted)]
         assert counted == [298 - 3 - 3, 10] + ([] if path == "sync" else [0]), (path, counted)
         if path != "sync":
-            assert [e.what for e in evs if e.kind == "error"] == ["count_new"]
+            assert [e.what for e in evs if isinstance(e, Failed)] == ["count_new"]
     finally:
         ix._ready = True
         ix.close()
@@ -478,7 +479,7 @@ def test_sync_baseline_has_the_same_interface(tmp_path):
     items = list(zip(keys, slots, gens))
     ix.commit(items, tag=1)
     evs = ix.poll()
-    assert [e.kind for e in evs] == ["committed"] and evs[0].error is None and evs[0].items == items
+    assert [type(e) for e in evs] == [Committed] and evs[0].error is None and evs[0].items == items
     assert st.index.fsyncs_by_thread[threading.get_ident()] == 1   # the synchronous baseline fsyncs here
     assert ix.lookup_pin(keys) == (slots, gens)
     st.close()
