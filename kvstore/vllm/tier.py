@@ -75,6 +75,7 @@ from kvstore.store.disk import DiskStore, ensure_store
 from kvstore.errors import ConfigError, CorruptSlot, KVStoreError, LayoutMismatch
 from kvstore.format.layout import HEADER_SIZE, Layout, format_size, read_fingerprint
 from kvstore.io.rank import RankIO, SlotRefs
+from kvstore.lookup.events import AnnounceBatch, Committed, Dropped, Evicted, Failed
 from kvstore.lookup.table import ServingIndex
 from kvstore.io.threads import make_thread
 from kvstore.vllm.config import ConnectorConfig
@@ -796,7 +797,7 @@ class KVStoreTier(SecondaryTierManager):
 
     def _poll_index(self) -> None:
         for ev in self._sidx.poll():
-            if ev.kind == "committed":
+            if isinstance(ev, Committed):
                 batch = ev.tag
                 self._batches -= 1
                 self._storing.difference_update(batch.keys)
@@ -807,18 +808,18 @@ class KVStoreTier(SecondaryTierManager):
                         keys=[k for k, _, _ in ev.items], medium=self.medium, removed=False,
                         locality=self.locality))
                 self._complete(batch, ev.error)
-            elif ev.kind in ("evicted", "dropped"):
-                if ev.kind == "evicted":
+            elif isinstance(ev, (Evicted, Dropped)):
+                if isinstance(ev, Evicted):
                     with self._lock:
                         self._counts["evicted"] += ev.count or len(ev.keys)
                 if self._events_on and ev.keys:
                     self._events.append(OffloadingEvent(
                         keys=list(ev.keys), medium=self.medium, removed=True,
                         locality=self.locality))
-            elif ev.kind == "announce":
-                self._events.extend(ev.items)
+            elif isinstance(ev, AnnounceBatch):
+                self._events.extend(ev.events)
                 self._events.append(_ANNOUNCED)
-            elif ev.kind == "error":
+            elif isinstance(ev, Failed):
                 self._warn(ev.what, ev.error)
 
     def _announce(self, keys: list[bytes]) -> list:
