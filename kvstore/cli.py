@@ -290,9 +290,14 @@ def warmup_cmd(store, prompts, from_store, model, capacity, engine_arg, all_bloc
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="Directory on the device (both tiers and fio use it). Default: a temporary "
                    "directory under /var/tmp.")
-@click.option("--chunk-tokens", default="16,64", show_default=True,
-              help="Comma-separated tokens per offloaded chunk (multiples of 16; 16 is vLLM's "
-                   "default chunk). The layout is 7B-class: 128 KiB of KV per token.")
+@click.option("--chunk-sizes", default="128K,2M,8M", show_default=True,
+              help="Comma-separated bytes per offloaded chunk: a multiple of 2 MiB is 16-token "
+                   "blocks of a 7B-class layout (128 KiB of KV per token; 2 MiB is vLLM's "
+                   "default 16-token chunk), a multiple of 64 KiB below it one 16-token block "
+                   "of fewer layers.")
+@click.option("--chunk-tokens", default=None,
+              help="Instead of --chunk-sizes: comma-separated tokens per chunk of the 7B-class "
+                   "layout (multiples of 16).")
 @click.option("--size", default="1G", show_default=True,
               help="Bytes of chunks stored per system per chunk size (2x the kvstore capacity).")
 @click.option("--capacity", default=None,
@@ -312,9 +317,11 @@ def warmup_cmd(store, prompts, from_store, model, capacity, engine_arg, all_bloc
 @click.option("--durability", default="fdatasync", show_default=True,
               type=click.Choice(["fdatasync", "none"]),
               help="The kvstore tier's durability (the fs tier never syncs).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Also save a PNG chart (matplotlib): store and load GB/s per chunk size.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of the table.")
-def bench_tier(directory, chunk_tokens, size, capacity, primary, job_tokens, step_ms,
-               queue_depth, rounds, systems, durability, as_json):
+def bench_tier(directory, chunk_sizes, chunk_tokens, size, capacity, primary, job_tokens, step_ms,
+               queue_depth, rounds, systems, durability, plot_path, as_json):
     """kvstore as a vLLM secondary tier vs vLLM's fs tier vs fio, behind vLLM's manager."""
     try:
         import vllm  # noqa: F401
@@ -322,22 +329,41 @@ def bench_tier(directory, chunk_tokens, size, capacity, primary, job_tokens, ste
         _fail(KVStoreError("`kvstore bench tier` runs vLLM's TieringOffloadingManager and needs "
                            "vLLM: pip install 'kvstore[vllm]'"))
     from kvstore.bench import tier_bench
-    try:
-        tokens = tuple(int(x) for x in chunk_tokens.split(",") if x.strip())
-    except ValueError:
-        _fail(KVStoreError(f"--chunk-tokens: give comma-separated integers, got {chunk_tokens!r}"))
+    if chunk_tokens is not None:
+        try:
+            tokens = [int(x) for x in chunk_tokens.split(",") if x.strip()]
+        except ValueError:
+            _fail(KVStoreError(f"--chunk-tokens: give comma-separated integers, got {chunk_tokens!r}"))
+        bad = [t for t in tokens if t <= 0 or t % tier_bench.BLOCK_TOKENS]
+        if bad or not tokens:
+            _fail(KVStoreError(f"--chunk-tokens: give positive multiples of {tier_bench.BLOCK_TOKENS} "
+                               f"(vLLM's block), got {chunk_tokens!r}"))
+        sizes = tuple(t * tier_bench.TOKEN_BYTES for t in tokens)
+    else:
+        sizes = tuple(x.strip() for x in chunk_sizes.split(",") if x.strip())
+        if not sizes:
+            _fail(KVStoreError("--chunk-sizes: give comma-separated sizes, e.g. 128K,2M,8M"))
+    if plot_path and not os.path.isdir(os.path.dirname(os.path.abspath(plot_path))):
+        _fail(KVStoreError(f"--plot {plot_path}: its directory does not exist (create it, or "
+                           "name another file)"))
     names = tuple(x.strip() for x in systems.split(",") if x.strip())
     bad = [x for x in names if x not in tier_bench.SYSTEMS]
     if bad or not names:
         _fail(KVStoreError(f"--systems: choose from {', '.join(tier_bench.SYSTEMS)}, got {systems!r}"))
     try:
-        out = tier_bench.run(directory, tokens, size, capacity, primary, job_tokens, step_ms,
+        out = tier_bench.run(directory, sizes, size, capacity, primary, job_tokens, step_ms,
                              queue_depth, rounds, names,
                              log=None if as_json else (lambda m: click.echo(m, err=True)),
                              durability=durability)
     except (KVStoreError, OSError) as exc:
         _fail(exc)
     click.echo(json.dumps(out, indent=2) if as_json else tier_bench.format_table(out))
+    if plot_path:
+        try:    # the numbers are out already: a plot that cannot be written loses nothing
+            tier_bench.plot(out, plot_path)
+        except (OSError, ValueError) as exc:
+            _fail(KVStoreError(f"--plot {plot_path}: cannot write the chart ({exc}); the results "
+                               "are above"))
 
 
 @bench.command("connector")

@@ -8,8 +8,10 @@ directory, the same chunk layout. The benchmark plays vLLM's scheduler and worke
 primary copy as already done, complete_store: the manager cascades the chunks to the
 tier), one request per step with `--step-ms` of "forward" between steps.
 
-Per chunk size (16- and 64-token chunks of a 7B-class layout by default: 32 layers,
-8 KV heads of 128, bf16, i.e. 128 KiB per token; 16 tokens is vLLM's default chunk):
+Per chunk size (128 KiB, 2 MiB and 8 MiB by default). Chunks of a multiple of 2 MiB are
+16-token multiples of a 7B-class layout (32 layers, 8 KV heads of 128, bf16: 128 KiB per
+token; 16 tokens, 2 MiB, is vLLM's default chunk); a smaller chunk is one 16-token block of
+the same heads over fewer layers (4 KiB per layer and token: 128 KiB is 2 layers):
 
 - store GB/s: `--size` bytes of chunks (2x the kvstore tier's capacity) stored through
   the manager, from the first prepare_store until every cascade job has finished (for
@@ -49,19 +51,34 @@ import uuid
 import numpy as np
 
 from kvstore.bench.io_bench import drop_page_cache
-from kvstore.errors import KVStoreError
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.format.layout import format_size, parse_size
 
 # 7B-class layout (Llama-3-8B / Mistral-7B: 32 layers, 8 KV heads, head dim 128, bf16):
 # K and V of every layer, per token
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES = 32, 8, 128, 2
-TOKEN_BYTES = 2 * LAYERS * KV_HEADS * HEAD_DIM * DTYPE_BYTES    # 131072
+LAYER_TOKEN_BYTES = 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES      # 4096
+TOKEN_BYTES = LAYERS * LAYER_TOKEN_BYTES                        # 131072
 BLOCK_TOKENS = 16                                               # vLLM's GPU block
+DEFAULT_CHUNKS = ("128K", "2M", "8M")
 
 TIER_CALLS = ("lookup", "touch", "submit_store", "submit_load", "get_finished_jobs",
               "take_events", "on_schedule_end", "on_new_request", "on_request_finished",
               "get_stats", "has_pending_work")
 SYSTEMS = ("kvstore", "fs", "fio")
+
+
+def chunk_geometry(chunk: int) -> tuple[int, int]:
+    """(tokens per chunk, layers) of a chunk of `chunk` bytes: a multiple of 2 MiB is that
+    many 16-token blocks of the 7B-class layout; below it, one 16-token block of fewer
+    layers (a multiple of 64 KiB)."""
+    if chunk > 0 and chunk % (BLOCK_TOKENS * TOKEN_BYTES) == 0:
+        return chunk // TOKEN_BYTES, LAYERS
+    if 0 < chunk < BLOCK_TOKENS * TOKEN_BYTES and chunk % (BLOCK_TOKENS * LAYER_TOKEN_BYTES) == 0:
+        return BLOCK_TOKENS, chunk // (BLOCK_TOKENS * LAYER_TOKEN_BYTES)
+    raise ConfigError(f"chunk size {chunk} bytes: give a multiple of 2 MiB (16-token blocks of "
+                      "the 7B-class layout) or a multiple of 64 KiB below 2 MiB (one 16-token "
+                      "block of fewer layers), e.g. 128K,2M,8M")
 
 
 def _cpu() -> float:
@@ -128,7 +145,8 @@ class TierRun:
     """One tier behind vLLM's TieringOffloadingManager for one chunk size."""
 
     def __init__(self, system: str, directory: str, chunk_tokens: int, primary: int,
-                 capacity: int, queue_depth: int, durability: str = "fdatasync"):
+                 capacity: int, queue_depth: int, durability: str = "fdatasync",
+                 layers: int = LAYERS):
         from vllm.v1.kv_offload.config import (
             OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
             OffloadingModelConfig, OffloadingParallelConfig,
@@ -148,8 +166,8 @@ class TierRun:
         config = OffloadingConfig(
             groups=(OffloadingGroupConfig(tokens_per_block=BLOCK_TOKENS, group_id=0,
                                           layer_names=tuple(f"model.layers.{i}.self_attn"
-                                                            for i in range(LAYERS))),),
-            worker_kv_bytes_per_block=BLOCK_TOKENS * TOKEN_BYTES,
+                                                            for i in range(layers))),),
+            worker_kv_bytes_per_block=BLOCK_TOKENS * layers * LAYER_TOKEN_BYTES,
             enable_kv_cache_events=False,
             extra_config={"cpu_bytes_to_use": primary, "secondary_tiers": [tier]},
             engine_id=f"kvstore-tier-bench-{uuid.uuid4().hex[:12]}",
@@ -311,35 +329,33 @@ def _fio(directory: str, size: int, block: int, qd: int) -> dict:
     return {"store_gbps": w / 1e9, "load_gbps": r / 1e9}
 
 
-def run(directory: str | None = None, chunk_tokens=(16, 64), size="1G", capacity=None,
+def run(directory: str | None = None, chunk_sizes=DEFAULT_CHUNKS, size="1G", capacity=None,
         primary="256M", job_tokens: int = 1024, step_ms: float = 1.0, queue_depth: int = 32,
         rounds: int = 1, systems=SYSTEMS, log=None, durability: str = "fdatasync") -> dict:
-    """Run the benchmark; returns {"results": {chunk bytes: {system: {...}}}, "config",
-    "targets"}."""
+    """Run the benchmark over `chunk_sizes` (bytes or sizes like "128K"); returns
+    {"results": {chunk bytes: {system: {...}}}, "config", "targets"}."""
     import vllm
     if log is None:
         def log(msg):
             pass
     size_b, primary_b = parse_size(size), parse_size(primary)
     capacity_b = parse_size(capacity) if capacity is not None else size_b // 2
-    for t in chunk_tokens:
-        if t <= 0 or t % BLOCK_TOKENS:
-            raise KVStoreError(f"chunk tokens must be a positive multiple of {BLOCK_TOKENS} "
-                               f"(vLLM's block), got {t}")
+    chunks = [parse_size(c) for c in chunk_sizes]
+    geometry = {c: chunk_geometry(c) for c in chunks}
     if "fio" in systems and shutil.which("fio") is None:
         raise KVStoreError("fio is not installed (Debian: apt-get install fio)")
     tmp = None
     if directory is None:
         tmp = directory = tempfile.mkdtemp(prefix="kvstore-tier-bench-", dir="/var/tmp")
     elif not os.path.isdir(directory):
-        raise KVStoreError(f"--dir {directory} is not a directory")
+        raise ConfigError(f"--dir {directory} is not a directory")
     step_s = step_ms / 1000.0
     results: dict = {}
     try:
-        for tokens in chunk_tokens:
-            chunk = tokens * TOKEN_BYTES
+        for chunk in chunks:
+            tokens, layers = geometry[chunk]
             if primary_b < 2 * chunk or capacity_b < 4 * chunk:
-                raise KVStoreError(f"--primary {format_size(primary_b)} and --capacity "
+                raise ConfigError(f"--primary {format_size(primary_b)} and --capacity "
                                    f"{format_size(capacity_b)} must hold a few {tokens}-token "
                                    f"chunks ({format_size(chunk)} each)")
             nchunks = size_b // chunk
@@ -353,7 +369,7 @@ def run(directory: str | None = None, chunk_tokens=(16, 64), size="1G", capacity
                         samples[s].append(_fio(directory, nchunks * chunk, chunk, queue_depth))
                         continue
                     run_ = TierRun(s, directory, tokens, primary_b, capacity_b, queue_depth,
-                                   durability)
+                                   durability, layers)
                     try:
                         th0 = _thread_cpu()
                         tw, cw = run_.store(nchunks, job, step_s)
@@ -395,8 +411,11 @@ def run(directory: str | None = None, chunk_tokens=(16, 64), size="1G", capacity
     return {
         "results": results,
         "config": {"dir": directory if tmp is None else "(a temporary directory under /var/tmp)",
-                   "chunk_tokens": list(chunk_tokens), "token_bytes": TOKEN_BYTES,
-                   "layout": f"{LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM} x bf16 (K+V)",
+                   "chunk_sizes": chunks,
+                   "chunk_geometry": {str(c): f"{t} tokens x {n} layers"
+                                      for c, (t, n) in geometry.items()},
+                   "layout": f"{KV_HEADS} KV heads x {HEAD_DIM} x bf16 (K+V) per layer and token"
+                             f" ({LAYERS} layers: 7B-class; fewer below 2 MiB chunks)",
                    "size": size_b, "kvstore_capacity": capacity_b, "primary": primary_b,
                    "job_tokens": job_tokens, "step_ms": step_ms, "queue_depth": queue_depth,
                    "rounds": rounds, "kvstore_durability": durability,
@@ -455,3 +474,40 @@ def format_table(out: dict) -> str:
     for t in out["targets"]:
         lines.append(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['detail']}")
     return "\n".join(lines)
+
+
+def plot(out: dict, path: str) -> None:
+    """Store and load GB/s per chunk size for kvstore, the fs tier and fio (grouped bars,
+    one panel each), saved as PNG (matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(out["results"])
+    systems = [s for s in SYSTEMS if any(s in out["results"][b] for b in sizes)]
+    colors = {"kvstore": "#1f77b4", "fs": "#ff7f0e", "fio": "#2ca02c"}
+    labels = {"kvstore": "kvstore tier", "fs": "vLLM fs tier", "fio": "fio (device)"}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    x = np.arange(len(sizes))
+    w = 0.8 / max(1, len(systems))
+    for ax, (field, title) in zip(axes, (("store_gbps", "store GB/s"),
+                                         ("load_gbps", "load GB/s"))):
+        for i, s in enumerate(systems):
+            vals = [out["results"][b].get(s, {}).get(field) or 0.0 for b in sizes]
+            bars = ax.bar(x + (i - (len(systems) - 1) / 2) * w, vals, w, label=labels[s],
+                          color=colors[s])
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.set_xticks(x, [format_size(int(b)).replace(".0", "") for b in sizes])
+        ax.set_xlabel("chunk")
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    handles, lbls = axes[0].get_legend_handles_labels()
+    fig.legend(handles, lbls, loc="lower center", ncol=len(systems), fontsize=9, frameon=False)
+    c = out["config"]
+    durable = "fdatasync'd" if c["kvstore_durability"] != "none" else "not synced"
+    fig.suptitle(f"kvstore tier ({durable}) vs vLLM {c['vllm_version']} fs tier (never synced) "
+                 f"vs fio, behind TieringOffloadingManager ({format_size(c['size'])} stored, "
+                 f"{format_size(c['primary'])} promoted)", fontsize=9)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
