@@ -9,8 +9,9 @@ connector and the secondary tier) -> `lookup` (the scheduler's index) -> `store`
 `kvstore._slotfile.SlotFile`, `kvstore._hostbuf.HostBuffer`).
 """
 from kvstore.errors import (  # noqa: F401
-    AlignmentError, ConfigError, CorruptIndex, CorruptSlot, KVStoreError, LayoutMismatch,
-    StoreFull, StoreLocked, StoreNotFound,
+    AlignmentError, BenchmarkFailed, ConfigError, CorruptIndex, CorruptSlot, CorruptStore,
+    DataDirError, KVStoreError, LayoutMismatch, MissingDependency, StoreClosed, StoreFull,
+    StoreLocked, StoreNotFound,
 )
 
 __version__ = "0.1.0"

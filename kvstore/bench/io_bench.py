@@ -27,7 +27,7 @@ import numpy as np
 from kvstore._hostbuf import HostBuffer
 from kvstore._ring import Ring
 from kvstore._slotfile import HEADER_SIZE, SlotFile, encode_header, payload_checksum, verify_slot
-from kvstore.errors import KVStoreError
+from kvstore.errors import BenchmarkFailed, ConfigError, MissingDependency
 from kvstore.format.layout import format_size, parse_size
 
 STAGING_BYTES = 512 << 20
@@ -110,7 +110,7 @@ class KVStoreCore:
                 base = j * self.block
                 verify_slot(self.buf[base:base + self.block], b"bench", first + j, 1, self.payload)
                 if int(np.frombuffer(self.buf[base + HEADER_SIZE: base + HEADER_SIZE + 8], np.int64)[0]) != first + j:
-                    raise KVStoreError(f"benchmark read back the wrong block at {first + j}")
+                    raise BenchmarkFailed(f"benchmark read back the wrong block at {first + j}")
             self.verified += n
         return busy
 
@@ -167,7 +167,7 @@ class Fio:
 
     def __init__(self, directory, size, block, qd, direct):
         if shutil.which("fio") is None:
-            raise KVStoreError("fio is not installed (Debian: apt-get install fio); `make` installs it")
+            raise MissingDependency("fio is not installed (Debian: apt-get install fio); `make` installs it")
         self.path = os.path.join(directory, "fio-bench.dat")
         self.args = [f"--filename={self.path}", f"--size={size}", f"--bs={block}",
                      f"--iodepth={qd}", "--ioengine=io_uring", f"--direct={1 if direct else 0}",
@@ -253,16 +253,16 @@ class MultiDirKVStore:
             errs = self.rio.write_blocks(self.refs, fill)
             bad = [e for e in errs if e is not None]
             if bad:
-                raise KVStoreError(f"benchmark write failed: {bad[0]}")
+                raise BenchmarkFailed(f"benchmark write failed: {bad[0]}")
         return self._sampled("write", go)
 
     def read(self):
         def drain(start, stop, views, errors):
             for j, v in enumerate(views):
                 if errors[j] is not None:
-                    raise KVStoreError(f"benchmark read back a bad block {start + j}: {errors[j]}")
+                    raise BenchmarkFailed(f"benchmark read back a bad block {start + j}: {errors[j]}")
                 if int(np.frombuffer(v[:8], np.int64)[0]) != start + j:
-                    raise KVStoreError(f"benchmark read back the wrong block at {start + j}")
+                    raise BenchmarkFailed(f"benchmark read back the wrong block at {start + j}")
             self.verified += stop - start
 
         def go():
@@ -366,7 +366,7 @@ class MultiDirFio:
 
     def __init__(self, dirs, size, block, qd, direct):
         if shutil.which("fio") is None:
-            raise KVStoreError("fio is not installed (Debian: apt-get install fio); `make` installs it")
+            raise MissingDependency("fio is not installed (Debian: apt-get install fio); `make` installs it")
         per = size // len(dirs) // block * block
         self.paths = [os.path.join(d, "fio-bench.dat") for d in dirs]
         # Registered buffers and files, as kvstore's rings use them: without them the
@@ -411,10 +411,10 @@ def _parse_dirs(directory) -> list[str] | None:
     else:
         dirs = [d for d in str(directory).split(",") if d]
     if not dirs:
-        raise KVStoreError("--dir names no directory")
+        raise ConfigError("--dir names no directory")
     dirs = [os.path.abspath(d) for d in dirs]
     if len(set(dirs)) != len(dirs):
-        raise KVStoreError("--dir names a directory twice")
+        raise ConfigError("--dir names a directory twice")
     return dirs
 
 
@@ -429,7 +429,7 @@ def run(directory: str | None = None, size="4G", block_size="2M", queue_depth: i
     size_b = parse_size(size)
     block = parse_size(block_size)
     if block % 4096 or block <= HEADER_SIZE:
-        raise KVStoreError(f"block size {block} must be a multiple of 4096 and > 4096")
+        raise ConfigError(f"block size {block} must be a multiple of 4096 and > 4096")
     dirs = _parse_dirs(directory)
     own_dir = dirs is None
     if own_dir:
@@ -437,7 +437,7 @@ def run(directory: str | None = None, size="4G", block_size="2M", queue_depth: i
     ndirs = len(dirs)
     size_b = size_b // (block * ndirs) * block * ndirs
     if size_b < block * ndirs:
-        raise KVStoreError(f"size {size} holds no block of {block_size} per directory")
+        raise ConfigError(f"size {size} holds no block of {block_size} per directory")
     direct = not page_cache
     for d in dirs:
         os.makedirs(d, exist_ok=True)
@@ -448,7 +448,7 @@ def run(directory: str | None = None, size="4G", block_size="2M", queue_depth: i
         free = shutil.disk_usage(same[0]).free
         need = size_b // ndirs * len(same)
         if need * 1.2 > free:
-            raise KVStoreError(f"--size {format_size(size_b)} needs more than the {format_size(free)} "
+            raise ConfigError(f"--size {format_size(size_b)} needs more than the {format_size(free)} "
                                f"free in {', '.join(same)}; lower --size")
     classes = {"kvstore": MultiDirKVStore, "fio": MultiDirFio, "threads": MultiDirThreads}
     samples = {s: {"write": [], "read": []} for s in systems}

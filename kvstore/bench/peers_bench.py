@@ -59,7 +59,6 @@ system's total).
 """
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import resource
@@ -75,7 +74,7 @@ import numpy as np
 
 from kvstore.bench.io_bench import (Fio, MultiDirFio, MultiDirThreads, OneThread, _parse_dirs,
                                      drop_page_cache)
-from kvstore.errors import KVStoreError
+from kvstore.errors import BenchmarkFailed, ConfigError, MissingDependency
 from kvstore.format.layout import format_size, parse_size
 
 SYSTEMS = ("kvstore", "vllm_fs", "one_thread", "fio")
@@ -238,7 +237,7 @@ class KVStoreSystem:
                 self.store.abort(refs)
             raise
         if any(e is not None for e in errs):
-            raise KVStoreError(f"kvstore write failed: {next(e for e in errs if e is not None)}")
+            raise BenchmarkFailed(f"kvstore write failed: {next(e for e in errs if e is not None)}")
         with self.lock:
             self.store.commit(refs)
 
@@ -251,7 +250,7 @@ class KVStoreSystem:
             for keys in requests:
                 entries = self.store.longest_prefix(keys)
                 if len(entries) != len(keys):
-                    raise KVStoreError(f"kvstore found {len(entries)} of {len(keys)} blocks")
+                    raise BenchmarkFailed(f"kvstore found {len(entries)} of {len(keys)} blocks")
                 self.store.pin(e.slot for e in entries)
                 refs += [SlotRef(e.key, e.slot, e.generation) for e in entries]
         try:
@@ -260,7 +259,7 @@ class KVStoreSystem:
             with self.lock:
                 self.store.unpin(r.slot for r in refs)
         if any(e is not None for e in errs):
-            raise KVStoreError(f"kvstore read failed verification: {next(e for e in errs if e is not None)}")
+            raise BenchmarkFailed(f"kvstore read failed verification: {next(e for e in errs if e is not None)}")
         with self.lock:
             for keys in requests:
                 self.store.touch(keys)
@@ -283,7 +282,7 @@ class KVStoreSystem:
         self._dev["load"] = self.rio.io_bytes[:, 0].copy()
         got = ctx.dst[:ctx.nblocks]
         if not np.array_equal(got[:, :64], ctx.src[:ctx.nblocks, :64]):
-            raise KVStoreError("kvstore loaded bytes that differ from what it stored")
+            raise BenchmarkFailed("kvstore loaded bytes that differ from what it stored")
 
     def dev_bytes(self, phase):
         """Payload bytes of the last `phase` ("store"/"load") on each directory: the
@@ -383,7 +382,7 @@ class VllmFsSystem:
                 done = [j for j in pending if j in self.finished]
                 for j in done:
                     if not self.finished.pop(j):
-                        raise KVStoreError(f"vLLM fs tier job {j} failed")
+                        raise BenchmarkFailed(f"vLLM fs tier job {j} failed")
             pending.difference_update(done)
             if pending:
                 time.sleep(0.0002)
@@ -407,7 +406,7 @@ class VllmFsSystem:
         with self.lock:
             hits = list(tier._lookup_manager.batch_lookup(keys, self.req))
             if not all(hits):
-                raise KVStoreError(f"vLLM fs tier found {sum(hits)} of {len(keys)} blocks")
+                raise BenchmarkFailed(f"vLLM fs tier found {sum(hits)} of {len(keys)} blocks")
             job = self._job(keys, first_chunk)
             job.is_promotion = True
             tier.submit_load(job)
@@ -421,7 +420,7 @@ class VllmFsSystem:
                 for f in range(0, ctx.nblocks, ctx.prefix)]  # one job per request, as the manager batches
         self._wait(self.load_tier, jobs)
         if not np.array_equal(ctx.dst[:ctx.nblocks, :64], ctx.src[:ctx.nblocks, :64]):
-            raise KVStoreError("vLLM fs tier loaded bytes that differ from what it stored")
+            raise BenchmarkFailed("vLLM fs tier loaded bytes that differ from what it stored")
 
     def prefix_test(self, samples):
         ctx = self.ctx
@@ -801,12 +800,12 @@ def run(directory: str | None = None, size="1G", block_sizes="128K,512K,2M", que
     sizes = [parse_size(x.strip()) for x in str(block_sizes).split(",") if x.strip()]
     for b in sizes:
         if b % 4096:
-            raise KVStoreError(f"block size {b} must be a multiple of 4096")
+            raise ConfigError(f"block size {b} must be a multiple of 4096")
     size_b = parse_size(size)
     staging_b = parse_size(staging_bytes)
     pmax = parse_size(prefix_max_bytes)
     if "fio" in systems and shutil.which("fio") is None:
-        raise KVStoreError("fio is not installed (Debian: apt-get install fio)")
+        raise MissingDependency("fio is not installed (Debian: apt-get install fio)")
     own_dir = directory is None
     dirs = _parse_dirs(directory)
     if dirs is not None and len(dirs) > 1:
@@ -820,7 +819,7 @@ def run(directory: str | None = None, size="1G", block_sizes="128K,512K,2M", que
         free = shutil.disk_usage(directory).free
         need = size_b * 3 + 5 * staging_b  # kvstore store + one-thread files + background batches
         if need > free:
-            raise KVStoreError(f"--size {format_size(size_b)} needs about {format_size(need)} free in "
+            raise ConfigError(f"--size {format_size(size_b)} needs about {format_size(need)} free in "
                                f"{directory}, which has {format_size(free)}; lower --size")
         dirs = [directory]
     ndirs = len(dirs)
@@ -833,7 +832,7 @@ def run(directory: str | None = None, size="1G", block_sizes="128K,512K,2M", que
             nblocks = size_b // b // ndirs * ndirs  # several directories: an equal share each
             prefix = max(1, min(prefix_blocks, pmax // b, nblocks // 4))
             if nblocks < 8:
-                raise KVStoreError(f"--size {size} holds fewer than 8 blocks of {format_size(b)}")
+                raise ConfigError(f"--size {size} holds fewer than 8 blocks of {format_size(b)}")
             src_mem, dst_mem = _anon(nblocks * b), _anon(nblocks * b)
             src = np.frombuffer(src_mem, np.uint8).reshape(nblocks, b)
             dst = np.frombuffer(dst_mem, np.uint8).reshape(nblocks, b)
@@ -909,7 +908,7 @@ def _check_free_multi(dirs, size_b, staging_b, vllm_fs):
     for need, same in by_fs.values():
         free = shutil.disk_usage(same[0]).free
         if need > free:
-            raise KVStoreError(f"--size {format_size(size_b)} needs about {format_size(need)} free in "
+            raise ConfigError(f"--size {format_size(size_b)} needs about {format_size(need)} free in "
                                f"{', '.join(same)}, which has {format_size(free)}; lower --size")
 
 

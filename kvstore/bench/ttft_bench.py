@@ -27,7 +27,6 @@ import glob
 import os
 import random
 import shutil
-import statistics
 import tempfile
 import time
 import uuid

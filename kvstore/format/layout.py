@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass, fields
 # HEADER_SIZE and ALIGN are defined once, for C and Python, in the I/O core
 # (cython_src/kvstore/includes/format.pxd).
 from kvstore._slotfile import ALIGN, HEADER_SIZE
-from kvstore.errors import ConfigError, KVStoreError, LayoutMismatch, StoreNotFound
+from kvstore.errors import (
+    ConfigError, CorruptStore, DataDirError, LayoutMismatch, StoreNotFound,
+)
 
 FORMAT_VERSION = 1
 FINGERPRINT = "kvstore.json"
@@ -252,7 +254,7 @@ def write_fingerprint(store_dir: str, layout: Layout, geometry: StoreGeometry, c
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
         if exc.errno == 40:
-            raise KVStoreError(f"refusing {tmp}: it is a symlink (kvstore never follows symlinks "
+            raise DataDirError(f"refusing {tmp}: it is a symlink (kvstore never follows symlinks "
                                "inside a store)") from None
         raise
     with os.fdopen(fd, "w") as f:
@@ -273,18 +275,18 @@ def read_fingerprint(store_dir: str) -> tuple[Layout, StoreGeometry, dict]:
                             "(create one with a capacity, or point `path` at an existing store)") from None
     except OSError as exc:
         if exc.errno == 40:  # ELOOP: O_NOFOLLOW met a symlink
-            raise KVStoreError(f"refusing {path}: it is a symlink (kvstore never follows symlinks "
+            raise DataDirError(f"refusing {path}: it is a symlink (kvstore never follows symlinks "
                                "inside a store)") from None
-        raise KVStoreError(f"cannot open {path}: {exc.strerror}") from exc
+        raise DataDirError(f"cannot open {path}: {exc.strerror}") from exc
     with os.fdopen(fd, "rb") as f:
         raw = f.read(1 << 20)
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise KVStoreError(f"{path} is not valid JSON ({exc}); restore it or run "
+        raise CorruptStore(f"{path} is not valid JSON ({exc}); restore it or run "
                            "`kvstore fsck --repair`") from None
     if not isinstance(doc, dict):
-        raise KVStoreError(f"{path} must hold a JSON object")
+        raise CorruptStore(f"{path} must hold a JSON object")
     if doc.get("format_version") != FORMAT_VERSION:
         raise LayoutMismatch(f"{path}: store format version {doc.get('format_version')!r}, this "
                              f"kvstore reads version {FORMAT_VERSION}", field="format_version")
@@ -299,10 +301,10 @@ def read_fingerprint(store_dir: str) -> tuple[Layout, StoreGeometry, dict]:
                             len(dirs) if dirs else 1)
         int(doc["capacity_bytes"])
     except (KeyError, TypeError, ValueError, ConfigError) as exc:
-        raise KVStoreError(f"{path} is damaged ({exc}); restore it from the store's creator") from None
+        raise CorruptStore(f"{path} is damaged ({exc}); restore it from the store's creator") from None
     if (geo.num_slots < 1 or geo.slots_per_file < 1 or geo.slot_size != layout.slot_size
             or geo.num_slots < geo.num_devices):
-        raise KVStoreError(f"{path} is inconsistent (slot geometry does not match the layout)")
+        raise CorruptStore(f"{path} is inconsistent (slot geometry does not match the layout)")
     return layout, geo, doc
 
 

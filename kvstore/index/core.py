@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from kvstore.errors import ConfigError, CorruptIndex, KVStoreError, StoreFull
+from kvstore.errors import ConfigError, CorruptIndex, KVStoreError, StoreClosed, StoreFull
 
 __all__ = ["Entry", "Index", "FORMAT_VERSION"]
 
@@ -436,7 +436,7 @@ class Index:
     def _live(self) -> lmdb.Environment:
         env = self._env
         if env is None:
-            raise KVStoreError(f"index is closed ({self._path})")
+            raise StoreClosed(f"index is closed ({self._path})")
         return env
 
     def _read(self) -> _ReadTxn:

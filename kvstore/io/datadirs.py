@@ -15,7 +15,7 @@ import os
 import shutil
 import stat
 
-from kvstore.errors import ConfigError, KVStoreError, StoreNotFound
+from kvstore.errors import ConfigError, DataDirError, StoreNotFound
 from kvstore.format.layout import StoreGeometry, format_size
 
 
@@ -25,10 +25,10 @@ def _check_dir(path: str) -> None:
     except FileNotFoundError:
         raise StoreNotFound(f"{path} does not exist") from None
     if stat.S_ISLNK(st.st_mode):
-        raise KVStoreError(f"refusing {path}: it is a symlink (kvstore never follows symlinks "
+        raise DataDirError(f"refusing {path}: it is a symlink (kvstore never follows symlinks "
                            "inside a store; use the real path)")
     if not stat.S_ISDIR(st.st_mode):
-        raise KVStoreError(f"{path} is not a directory")
+        raise DataDirError(f"{path} is not a directory")
 
 
 DATA_MARKER = "kvstore-data.json"   # in each data directory: which store it belongs to
@@ -46,18 +46,18 @@ def _check_data_dir(path: str, direct: bool) -> None:
             f"data directory {path} does not exist: create it on the device's file system "
             f"(mount the device, then `mkdir -p {path}`), or remove it from data_dirs") from None
     if os.path.islink(path):
-        raise KVStoreError(f"data directory {path} is a symlink; give its real path "
+        raise DataDirError(f"data directory {path} is a symlink; give its real path "
                            f"({os.path.realpath(path)}) in data_dirs")
     import stat as _stat
     if not _stat.S_ISDIR(st.st_mode):
-        raise KVStoreError(f"data directory {path} is not a directory; give a directory on the "
+        raise DataDirError(f"data directory {path} is not a directory; give a directory on the "
                            "device in data_dirs")
     probe = os.path.join(path, f".kvstore-probe-{os.getpid()}")
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(probe, flags, 0o600)
     except OSError as exc:
-        raise KVStoreError(f"cannot create files in data directory {path} ({exc.strerror}); make it "
+        raise DataDirError(f"cannot create files in data directory {path} ({exc.strerror}); make it "
                            "writable by this user, or remove it from data_dirs") from None
     os.close(fd)
     try:
@@ -66,7 +66,7 @@ def _check_data_dir(path: str, direct: bool) -> None:
             try:
                 fd = os.open(probe, os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError as exc:
-                raise KVStoreError(
+                raise DataDirError(
                     f"data directory {path} does not support O_DIRECT ({exc.strerror}; a tmpfs or "
                     "ramfs?): put it on the NVMe device's file system, or set io_mode "
                     '"page_cache"') from None
@@ -77,7 +77,7 @@ def _check_data_dir(path: str, direct: bool) -> None:
                 except OSError as exc:
                     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                         return   # a full file system: the free-space check names it
-                    raise KVStoreError(
+                    raise DataDirError(
                         f"data directory {path} refuses O_DIRECT writes ({exc.strerror}): put it on "
                         'the NVMe device\'s file system, or set io_mode "page_cache"') from None
                 finally:
@@ -172,16 +172,16 @@ def _claim_data_dir(path: str, store: str, device: int) -> None:
             owner = "?"
     ranks = [n for n in os.listdir(path) if re.fullmatch(r"rank\d+", n)]
     if owner is not None and owner != store:
-        raise KVStoreError(f"data directory {path} belongs to store {owner} ({marker}); give each "
+        raise DataDirError(f"data directory {path} belongs to store {owner} ({marker}); give each "
                            "store its own data directories")
     if ranks and owner is None:
-        raise KVStoreError(f"data directory {path} already holds slot files ({', '.join(ranks)}) of "
+        raise DataDirError(f"data directory {path} already holds slot files ({', '.join(ranks)}) of "
                            "no known store; give an empty directory, or remove them first")
     if ranks and complete:
         # The slots of this very store, whose creation finished: its kvstore.json is gone
         # from view, most often because the store directory's own device is not mounted.
         # Creating the store again would wipe every device's blocks.
-        raise KVStoreError(f"data directory {path} holds the slot files of store {store}, whose "
+        raise DataDirError(f"data directory {path} holds the slot files of store {store}, whose "
                            f"{store}/kvstore.json is missing: mount the store directory's device "
                            f"(or restore it); to start over, remove {path}/rank* first")
     for name in ranks:   # what an interrupted creation of this store left
@@ -212,7 +212,7 @@ def _check_free_space(path: str, dirs: list[str], geo: StoreGeometry, tp_size: i
         need = geo.num_slots * geo.slot_size * tp_size
         free = shutil.disk_usage(path).free
         if need > free:
-            raise KVStoreError(
+            raise DataDirError(
                 f"capacity {format_size(need)} is larger than the free space on {path} "
                 f"({format_size(free)}); choose a capacity below {format_size(free)}")
         return
@@ -226,7 +226,7 @@ def _check_free_space(path: str, dirs: list[str], geo: StoreGeometry, tp_size: i
             names = ", ".join(dirs[d] for d in devs)
             per = geo.slot_size * tp_size
             fit = free // per * len(dirs) // len(devs) * per
-            raise KVStoreError(
+            raise DataDirError(
                 f"data directory {names} needs {format_size(need)} for its share of the capacity "
                 f"but its file system has {format_size(free)} free; free space there, or choose a "
                 f"capacity below {format_size(fit)} (slots are striped evenly over the "

@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import StoreClosed
 from kvstore.io.threads import make_thread
 
 # Parts started on one ring at once: a Ring keeps at most 8 batches active, and one is
@@ -56,7 +56,7 @@ class DeviceStream:
         fut: Future = Future()
         with self._cv:
             if self._closed:
-                raise KVStoreError("the device's I/O thread is stopped (the store is closing)")
+                raise StoreClosed("the device's I/O thread is stopped (the store is closing)")
             self._items.append((kind, fn, after, fut))
             self._cv.notify()
         self.ring.wake()   # a pump in progress returns, and the thread takes the new work

@@ -29,7 +29,7 @@ from kvstore._ring import Ring
 from kvstore._slotfile import SlotFile
 from kvstore.io.datadirs import _check_dir, probe_data_dir
 from kvstore.io.device_stream import DeviceStream
-from kvstore.errors import AlignmentError, ConfigError, CorruptSlot, KVStoreError
+from kvstore.errors import AlignmentError, ConfigError, CorruptSlot, KVStoreError, StoreClosed
 from kvstore.format.layout import HEADER_SIZE, Layout, check_layout, device_dirs, read_fingerprint
 from kvstore.io.staging import Staging
 from kvstore.io.threads import make_thread
@@ -680,7 +680,7 @@ class RankIO:
 
     def _check_open(self):
         if not self.rings:
-            raise KVStoreError(f"RankIO for rank {self.rank} of {self.store_dir} is closed")
+            raise StoreClosed(f"RankIO for rank {self.rank} of {self.store_dir} is closed")
 
     def payload_view(self, i: int) -> np.ndarray:
         """Staging payload area of staging slot i (uint8, block_bytes long)."""

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 from kvstore._hostbuf import HostBuffer
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.errors import ConfigError, StoreClosed
 from kvstore.format.layout import ALIGN, HEADER_SIZE
 
 log = logging.getLogger("kvstore.io.staging")
@@ -73,7 +73,7 @@ class Staging:
 
     def numpy(self) -> np.ndarray:
         if self._np is None:
-            raise KVStoreError("staging memory is closed")
+            raise StoreClosed("staging memory is closed")
         return self._np
 
     def slot_view(self, i: int) -> np.ndarray:

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from kvstore._slotfile import SlotFile
-from kvstore.errors import ConfigError, KVStoreError, StoreNotFound
+from kvstore.errors import ConfigError, KVStoreError, StoreClosed, StoreNotFound
 from kvstore.index.core import Entry, Index
 from kvstore.store.shared import W_VALID, Lease, StoreLock
 from kvstore.format.layout import (
@@ -324,7 +324,7 @@ class DiskStore:
 
     def _idx(self) -> Index:
         if self.index is None:
-            raise KVStoreError(f"store {self.path} is closed")
+            raise StoreClosed(f"store {self.path} is closed")
         return self.index
 
     def _writable(self) -> Index:

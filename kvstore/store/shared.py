@@ -36,7 +36,7 @@ import weakref
 from dataclasses import dataclass
 
 from kvstore._keytable import SharedMap
-from kvstore.errors import KVStoreError, StoreLocked
+from kvstore.errors import CorruptStore, DataDirError, KVStoreError, StoreLocked
 
 log = logging.getLogger("kvstore.store.shared")
 
@@ -77,7 +77,7 @@ def _open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
         return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise KVStoreError(f"refusing {path}: it is a symlink (kvstore never follows "
+            raise DataDirError(f"refusing {path}: it is a symlink (kvstore never follows "
                                "symlinks inside a store; remove it)") from None
         raise
 
@@ -240,7 +240,7 @@ class StoreLock:
         except OSError as exc:
             if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise
-            raise KVStoreError(
+            raise DataDirError(
                 f"cannot open store {store_dir} for writing ({os.strerror(exc.errno)}): an engine "
                 "or repair writes to the store; make it writable (remount read-write, or run as "
                 "its owner), or open it read-only (kvstore info, kvstore fsck without --repair)"
@@ -316,7 +316,7 @@ class Lease:
             os.mkdir(self.dir, 0o700)
         except FileExistsError:
             if os.path.islink(self.dir) or not os.path.isdir(self.dir):
-                raise KVStoreError(f"refusing {self.dir}: not a directory (kvstore never follows "
+                raise DataDirError(f"refusing {self.dir}: not a directory (kvstore never follows "
                                    "symlinks inside a store; remove it)") from None
         with _AttachLock(self.dir):
             if os.path.lexists(self.path):      # a lease of ours? only if we exec'd: stale
@@ -364,7 +364,7 @@ class Lease:
             st = os.fstat(fd)
             if fresh or st.st_size != size:
                 if not fresh:
-                    raise KVStoreError(
+                    raise CorruptStore(
                         f"{path} has {st.st_size} bytes, not {size}, while other engines are "
                         "attached; stop them and start again")
                 # nobody else is attached: start from zeros (rebuilt from LMDB by the
@@ -380,7 +380,7 @@ class Lease:
             m.store(W_VALID, 0)
             m.store(W_ATTACHED, 0)
         elif m.load(W_MAGIC) != MAGIC_SLOTS or m.load(W_CAPACITY) != self.capacity:
-            raise KVStoreError(f"{path} is not this store's slot state; stop every engine of "
+            raise CorruptStore(f"{path} is not this store's slot state; stop every engine of "
                                "the store and start again (the first one rebuilds it)")
         self.slots = m
 

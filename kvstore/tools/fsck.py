@@ -48,7 +48,9 @@ from kvstore import _slotfile
 from kvstore.store import shared
 from kvstore._slotfile import HEADER_SIZE, SlotFile
 from kvstore.store.disk import RankIO, WriterLock, rank_dir, slot_file_path
-from kvstore.errors import CorruptIndex, CorruptSlot, KVStoreError, StoreLocked, StoreNotFound
+from kvstore.errors import (
+    CorruptIndex, CorruptSlot, DataDirError, KVStoreError, StoreLocked, StoreNotFound,
+)
 from kvstore.index.core import Index
 from kvstore.index.maint import rebuild_index, snapshot
 from kvstore.format.layout import FINGERPRINT, device_dirs, format_size, read_fingerprint
@@ -301,7 +303,7 @@ class _Check:
 
     def _replace_rank_dir(self, rd: str, d: int = 0) -> None:
         if not os.path.islink(rd):
-            raise KVStoreError(f"{rd} is not a directory; move it away by hand")
+            raise DataDirError(f"{rd} is not a directory; move it away by hand")
         os.unlink(rd)
         self._recreate_rank(int(os.path.basename(rd)[4:]), d)
 

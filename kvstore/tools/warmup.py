@@ -49,7 +49,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from kvstore.store.disk import DiskStore
-from kvstore.errors import ConfigError, KVStoreError, StoreFull, StoreLocked
+from kvstore.errors import ConfigError, KVStoreError, MissingDependency, StoreFull, StoreLocked
 from kvstore.format.layout import check_layout, format_size, read_fingerprint
 
 __all__ = ["PromptItem", "read_prompts", "warmup", "format_text", "NO_ENGINE"]
@@ -579,7 +579,7 @@ def _warmup_model(store, prompts, model, *, tokenizer, fmt, dry_run, progress, g
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     why = None if dry_run else _engine_runs_here()
     if why is not None:
-        raise KVStoreError(NO_ENGINE.format(why=why))
+        raise MissingDependency(NO_ENGINE.format(why=why))
     if not os.path.isdir(model):
         raise ConfigError(f"--model {model}: no such directory (the model hub is not used; give a local "
                           "model directory)")
