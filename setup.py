@@ -32,7 +32,7 @@ def extensions():
     from Cython.Build import cythonize
 
     include_dirs = [os.path.join(os.path.dirname(liburing.__file__), "include"), numpy.get_include()]
-    names = ["_hostbuf", "_keytable", "_ring", "_slotfile", "_cuda", "_copy"]
+    names = ["_hostbuf", "_sharedmap", "_keytable", "_seenfilter", "_ring", "_slotfile", "_cuda", "_copy"]
     exts = [
         Extension(
             f"kvstore.{name}",
@@ -40,7 +40,7 @@ def extensions():
             + ([os.path.join("csrc", "kvstore_xxh3_avx2.c")] if name == "_slotfile" else []),
             include_dirs=include_dirs + ["csrc"],
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
-            + ([("XXH_INLINE_ALL", None)] if name == "_keytable" else []),
+            + ([("XXH_INLINE_ALL", None)] if name in ("_keytable", "_seenfilter") else []),
             libraries={"_slotfile": ["z"], "_cuda": ["dl"]}.get(name, []),
             extra_compile_args=["-O2", "-Wno-unused-function", "-Wno-unreachable-code"],
         )

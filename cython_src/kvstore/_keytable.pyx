@@ -24,16 +24,8 @@
 # bytes a slot), so a lookup pins its hit in the same C call that finds it and the index
 # thread's eviction claim checks pins without a Python object per slot.
 #
-# Several engines on one store: each engine keeps its own table, and shares
-# two things with the others through files mapped MAP_SHARED (`SharedMap`): its pin counts
-# (its lease file, read by the other engines' eviction claims) and the store's per-slot
-# generation array (STORE/engines/slots: the generation of the entry a slot holds, 0 when
-# none). A hit is valid only while its slot still holds its generation; a lookup pins, then
-# (after a full fence) checks the generation, and an eviction clears the generation, then
-# (after a full fence) checks every engine's pins: of two such races, one side always sees
-# the other (Dekker's pattern), so no engine evicts a slot another is about to load, and
-# no engine loads a slot another has taken. A table entry whose slot moved on is dropped
-# where a lookup meets it, or by `sweep`.
+# Several engines on one store: each engine keeps its own table and shares its pins and
+# the store's slot generations with the others through `_sharedmap.SharedMap` (see there).
 from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset, memcpy
@@ -66,21 +58,8 @@ cdef extern from "<sys/mman.h>" nogil:
 cdef extern from "<errno.h>" nogil:
     int errno
 
-cdef extern from *:
-    """
-    #define KT_LOAD64(p) __atomic_load_n((p), __ATOMIC_SEQ_CST)
-    #define KT_STORE64(p, v) __atomic_store_n((p), (v), __ATOMIC_SEQ_CST)
-    #define KT_ADD64(p, v) __atomic_add_fetch((p), (v), __ATOMIC_SEQ_CST)
-    #define KT_LOAD32(p) __atomic_load_n((p), __ATOMIC_SEQ_CST)
-    #define KT_ADD32(p, v) __atomic_add_fetch((p), (v), __ATOMIC_SEQ_CST)
-    #define KT_FENCE() __atomic_thread_fence(__ATOMIC_SEQ_CST)
-    """
-    uint64_t KT_LOAD64(uint64_t *p) nogil
-    void KT_STORE64(uint64_t *p, uint64_t v) nogil
-    uint64_t KT_ADD64(uint64_t *p, uint64_t v) nogil
-    uint32_t KT_LOAD32(uint32_t *p) nogil
-    uint32_t KT_ADD32(uint32_t *p, uint32_t v) nogil
-    void KT_FENCE() nogil
+from kvstore.includes.atomics cimport KT_LOAD64, KT_STORE64, KT_ADD64, KT_LOAD32, KT_ADD32, KT_FENCE
+from kvstore._sharedmap cimport SHARED_HDR, W_EPOCH, SharedMap
 
 # "Prefetches" are plain loads whose value is dropped: out-of-order execution keeps a
 # batch's misses in flight together just the same, and a load is never dropped.
@@ -99,11 +78,9 @@ cdef extern from *:
 
 DEF BATCH = 32
 DEF FP_BYTES = 12      # a key's fingerprint as `fingerprints` packs it: fp (8) + fp2 (4)
-DEF SHARED_HDR = 4096   # bytes before the array in a SharedMap file
 DEF MAX_PEERS = 256
 DEF _ON_DEVICE = 0      # what KeyTable._remove_where removes: a device's entries,
 DEF _STALE = 1          # or those whose slot moved on
-DEF W_EPOCH = 2         # slots map header word: + 1 whenever an engine attaches or leaves
 DEF KEY_MAX = 68     # a vLLM block hash (32 bytes for sha256; up to 64) + 4-byte group id
 
 
@@ -121,189 +98,6 @@ cdef struct SlotRec:    # what slot s holds, by slot (see "Runs of slots" above)
 
 cdef inline void _fingerprint(bytes key, uint64_t *fp, uint32_t *fp2):
     _fingerprint_raw(<const unsigned char *>PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), fp, fp2)
-
-
-cdef class SharedMap:
-    """A file mapped MAP_SHARED, for state that several engine processes share: the
-    store's slot generations (STORE/engines/slots: a 4096-byte header of u64 words, then a
-    u64 per slot) and each engine's pin counts (its lease file: the header, then a u32 per
-    slot). Word access is atomic (sequentially consistent)."""
-    cdef char *p
-    cdef readonly size_t nbytes
-    cdef readonly bint writable
-
-    def __cinit__(self, int fd, size_t nbytes, bint writable=True):
-        self.p = NULL
-        if nbytes < SHARED_HDR:
-            raise ValueError(f"SharedMap: {nbytes} bytes is less than the header")
-        cdef void *q = mmap(NULL, nbytes, PROT_READ | (PROT_WRITE if writable else 0),
-                            MAP_SHARED, fd, 0)
-        if q == MAP_FAILED:
-            import os
-            raise OSError(errno, f"mmap of {nbytes} bytes failed: {os.strerror(errno)}")
-        self.p = <char *>q
-        self.nbytes = nbytes
-        self.writable = writable
-
-    def __dealloc__(self):
-        if self.p != NULL:
-            munmap(self.p, self.nbytes)
-            self.p = NULL
-
-    def detach(self):
-        """Replace the file's mapping by private zeroed memory at the same address (a
-        forked child's copy of its parent's lease: a mapping holds the file's open
-        description, and with it the parent's flock, alive). Pointers into it (a
-        KeyTable's pins) stay valid; nothing reaches the file any more."""
-        if self.p == NULL:
-            return
-        cdef void *q = mmap(self.p, self.nbytes, PROT_READ | PROT_WRITE,
-                            MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0)
-        if q == MAP_FAILED:
-            import os
-            raise OSError(errno, f"SharedMap.detach: {os.strerror(errno)}")
-
-    cdef inline uint64_t *_word(self, size_t i) except NULL:
-        if self.p == NULL:
-            raise ValueError("SharedMap is closed")
-        if i >= SHARED_HDR // 8:
-            raise IndexError(f"header word {i} out of range")
-        return <uint64_t *>(self.p + i * 8)
-
-    def load(self, size_t i):
-        """Header word i (atomic)."""
-        return KT_LOAD64(self._word(i))
-
-    def store(self, size_t i, uint64_t v):
-        if not self.writable:
-            raise ValueError("SharedMap is read-only")
-        KT_STORE64(self._word(i), v)
-
-    def add(self, size_t i, uint64_t d=1):
-        """Atomically add d to header word i; returns the new value."""
-        if not self.writable:
-            raise ValueError("SharedMap is read-only")
-        return KT_ADD64(self._word(i), d)
-
-    cdef inline uint64_t *_gens(self, Py_ssize_t n) except NULL:
-        if self.p == NULL:
-            raise ValueError("SharedMap is closed")
-        if SHARED_HDR + <size_t>n * 8 > self.nbytes:
-            raise IndexError("slot out of the map")
-        return <uint64_t *>(self.p + SHARED_HDR)
-
-    def publish(self, list slots, list gens):
-        """Slot generations (a slots map): slots[j] holds generation gens[j] from now on."""
-        if not self.writable:
-            raise ValueError("SharedMap is read-only")
-        cdef Py_ssize_t j, n = len(slots)
-        cdef uint64_t *g
-        if len(gens) != n:
-            raise ValueError("publish: slots and gens differ in length")
-        cdef uint64_t cap = (self.nbytes - SHARED_HDR) // 8
-        for j in range(n):
-            if <uint64_t>slots[j] >= cap:
-                raise IndexError(f"slot {slots[j]} out of the map")
-        g = self._gens(0)
-        for j in range(n):
-            KT_STORE64(&g[<uint64_t>slots[j]], <uint64_t>gens[j])
-
-    def retract(self, list slots):
-        """Slot generations: slots[j] holds nothing any more."""
-        self.publish(slots, [0] * len(slots))
-
-    def generation(self, uint64_t slot):
-        cdef uint64_t cap = (self.nbytes - SHARED_HDR) // 8
-        if slot >= cap:
-            raise IndexError(f"slot {slot} out of the map")
-        return KT_LOAD64(&self._gens(0)[slot])
-
-    def clear_array(self):
-        """Zero everything after the header (a slots map being rebuilt)."""
-        if not self.writable:
-            raise ValueError("SharedMap is read-only")
-        memset(self.p + SHARED_HDR, 0, self.nbytes - SHARED_HDR)
-
-    def load_generations(self, rows, Py_ssize_t yield_every=65536, unsigned int yield_us=100):
-        """Publish every (key, value) row of the index's keys db (slot u32, generation
-        u64, ...); the GIL is released now and then as in KeyTable.load. Returns count."""
-        cdef uint64_t *g = self._gens(0)
-        cdef uint64_t cap = (self.nbytes - SHARED_HDR) // 8
-        cdef const unsigned char *v
-        cdef uint32_t slot
-        cdef uint64_t gen
-        cdef Py_ssize_t count = 0
-        cdef object k, val
-        cdef int j
-        for k, val in rows:
-            v = <const unsigned char *>PyBytes_AS_STRING(val)
-            slot = (<uint32_t>v[0]) | (<uint32_t>v[1] << 8) | (<uint32_t>v[2] << 16) | (<uint32_t>v[3] << 24)
-            gen = 0
-            for j in range(7, -1, -1):
-                gen = (gen << 8) | v[4 + j]
-            if slot < cap:
-                KT_STORE64(&g[slot], gen)
-            count += 1
-            if yield_every > 0 and count % yield_every == 0:
-                with nogil:
-                    usleep(yield_us)
-        return count
-
-    def add32(self, list slots, int delta):
-        """A pin map outside a KeyTable: atomically add delta (+1 or -1) to the u32 count
-        of each slot (sequentially consistent: a later generation check is ordered after
-        it). A count never goes below 0."""
-        if not self.writable:
-            raise ValueError("SharedMap is read-only")
-        cdef uint64_t cap = (self.nbytes - SHARED_HDR) // 4
-        cdef uint32_t *a = <uint32_t *>(self.p + SHARED_HDR)
-        cdef object x
-        cdef uint64_t v
-        for x in slots:
-            if <uint64_t>x >= cap:
-                raise IndexError(f"slot {x} out of the map")
-        for x in slots:
-            v = <uint64_t>x
-            if delta > 0:
-                KT_ADD32(&a[v], 1)
-            elif KT_LOAD32(&a[v]) > 0:
-                KT_ADD32(&a[v], <uint32_t>0xFFFFFFFF)
-
-    def try_clear(self, uint64_t slot, list peers, long long epoch=-1):
-        """An eviction's claim outside a KeyTable (a slots map): clear the slot's
-        generation, then look at the other engines' pin maps; if one pins the slot, put
-        the generation back and return False (the slot must not be taken). With `epoch`
-        (header word W_EPOCH as it was before `peers` were listed), an engine that came
-        or went since (its pins are not in `peers`) also refuses the slot."""
-        cdef uint64_t cap = (self.nbytes - SHARED_HDR) // 8
-        cdef SharedMap m
-        cdef uint64_t old
-        cdef uint64_t *g
-        if slot >= cap:
-            raise IndexError(f"slot {slot} out of the map")
-        g = self._gens(0)
-        old = KT_LOAD64(&g[slot])
-        KT_STORE64(&g[slot], 0)
-        for m in peers:
-            if SHARED_HDR + (slot + 1) * 4 <= m.nbytes and KT_LOAD32(<uint32_t *>(m.p + SHARED_HDR) + slot) != 0:
-                KT_STORE64(&g[slot], old)
-                return False
-        if epoch >= 0 and KT_LOAD64(<uint64_t *>self.p + W_EPOCH) != <uint64_t>epoch:
-            KT_STORE64(&g[slot], old)
-            return False
-        return True
-
-    def count_nonzero32(self):
-        """u32 counts after the header that are not 0 (a pin map: the slots it pins)."""
-        if self.p == NULL:
-            raise ValueError("SharedMap is closed")
-        cdef uint32_t *a = <uint32_t *>(self.p + SHARED_HDR)
-        cdef size_t i, n = (self.nbytes - SHARED_HDR) // 4, m = 0
-        with nogil:
-            for i in range(n):
-                if a[i] != 0:
-                    m += 1
-        return m
 
 
 cdef class KeyTable:
@@ -1530,132 +1324,3 @@ def pin_counts_remove(dict pins, list slots):
             del pins[s]
         else:
             pins[s] = c - 1
-
-
-# -- admission on second sight ---------------------------------------------------------
-#
-# A block is stored only when its key (vLLM's block hash, which chains the whole prefix,
-# + group id) was planned before within a window: the first sighting is only remembered.
-# Fixed memory: an 8-way set-associative array of 64-bit XXH3 fingerprints (one 64-byte
-# cache line per set), sets a power of two with at least 2 x `window` entries in all
-# (16-32 bytes per window entry). A set is a FIFO: a new fingerprint goes to its head and
-# pushes the oldest out, so a key is remembered over the next `window` first sightings
-# (99% of them: a set can overflow) and fades out after about 2-4 x `window`. A probe is one hash and one
-# cache line. Two keys sharing a fingerprint (~2^-64 per pair) only admit a block early.
-
-from libc.string cimport memmove
-
-cdef extern from "xxhash.h" nogil:
-    unsigned long long XXH3_64bits(const void *data, size_t length)
-
-cdef extern from "<stdlib.h>" nogil:
-    int posix_memalign(void **memptr, size_t alignment, size_t size)
-
-DEF SEEN_WAYS = 8
-
-
-cdef class SeenFilter:
-    """The second-sight admission filter (see the notes above). Not thread-safe: the
-    scheduler's step thread is its only user."""
-    cdef uint64_t *t
-    cdef uint64_t mask
-    cdef readonly Py_ssize_t window
-    cdef readonly Py_ssize_t capacity      # entries: sets x SEEN_WAYS
-    cdef readonly long long probes, admitted, rejected
-    cdef long long _rejected_taken
-
-    def __cinit__(self, Py_ssize_t window):
-        if window < 1:
-            raise ValueError(f"SeenFilter: window must be >= 1, got {window}")
-        cdef uint64_t sets = 1
-        while sets * SEEN_WAYS < 2 * <uint64_t>window:     # 2x: the last `window` all fit
-            sets <<= 1
-        cdef void *p = NULL
-        if posix_memalign(&p, 64, <size_t>(sets * SEEN_WAYS * sizeof(uint64_t))) != 0:
-            raise MemoryError(f"SeenFilter: cannot allocate {sets * SEEN_WAYS} entries")
-        self.t = <uint64_t *>p
-        memset(self.t, 0, <size_t>(sets * SEEN_WAYS * sizeof(uint64_t)))
-        self.mask = sets - 1
-        self.window = window
-        self.capacity = <Py_ssize_t>(sets * SEEN_WAYS)
-
-    def __dealloc__(self):
-        free(self.t)
-        self.t = NULL
-
-    @property
-    def nbytes(self):
-        return self.capacity * 8
-
-    cdef inline bint _sight(self, const unsigned char *p, Py_ssize_t n) noexcept nogil:
-        """1 when the key was seen (admit); else remember it and return 0."""
-        cdef uint64_t fp = XXH3_64bits(p, <size_t>n) | 1      # 0 marks an empty way
-        cdef uint64_t *s = self.t + ((fp >> 40) & self.mask) * SEEN_WAYS
-        cdef int w
-        self.probes += 1
-        for w in range(SEEN_WAYS):
-            if s[w] == fp:
-                self.admitted += 1
-                return 1
-        memmove(s + 1, s, (SEEN_WAYS - 1) * sizeof(uint64_t))
-        s[0] = fp
-        self.rejected += 1
-        return 0
-
-    def sight(self, bytes key):
-        """One probe: True (admit: seen before), or False (first sighting, remembered)."""
-        return bool(self._sight(<const unsigned char *>PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)))
-
-    def seen(self, bytes key):
-        """Whether the key is remembered (no insertion, not counted; tests)."""
-        cdef uint64_t fp = XXH3_64bits(PyBytes_AS_STRING(key), <size_t>PyBytes_GET_SIZE(key)) | 1
-        cdef uint64_t *s = self.t + ((fp >> 40) & self.mask) * SEEN_WAYS
-        cdef int w
-        for w in range(SEEN_WAYS):
-            if s[w] == fp:
-                return True
-        return False
-
-    def admit(self, list keys, list bids, list idx, object skip):
-        """Filter a plan (parallel lists keys, block ids and, or None, block indices) to
-        the blocks seen before, one probe per key; the first sightings are remembered,
-        left out and their keys removed from `skip` (the keys being stored). Returns
-        (keys, bids, idx) of the admitted blocks (the same lists when all are)."""
-        cdef Py_ssize_t n = len(keys), j, k = 0
-        cdef bytes key
-        if n == 0:
-            return keys, bids, idx
-        cdef unsigned char *ok = <unsigned char *>calloc(<size_t>n, 1)
-        if ok == NULL:
-            raise MemoryError("SeenFilter.admit")
-        try:
-            for j in range(n):
-                key = <bytes?>keys[j]
-                ok[j] = self._sight(<const unsigned char *>PyBytes_AS_STRING(key),
-                                    PyBytes_GET_SIZE(key))
-                k += ok[j]
-            if k == n:
-                return keys, bids, idx
-            out_k, out_b = [], []
-            out_i = None if idx is None else []
-            for j in range(n):
-                if ok[j]:
-                    out_k.append(keys[j])
-                    out_b.append(bids[j])
-                    if idx is not None:
-                        out_i.append(idx[j])
-                else:
-                    skip.discard(keys[j])
-            return out_k, out_b, out_i
-        finally:
-            free(ok)
-
-    def take_rejected(self):
-        """First sightings (blocks not stored) since the last call."""
-        cdef long long d = self.rejected - self._rejected_taken
-        self._rejected_taken = self.rejected
-        return d
-
-    def clear(self):
-        memset(self.t, 0, <size_t>(self.capacity * sizeof(uint64_t)))
-

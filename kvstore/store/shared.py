@@ -8,11 +8,11 @@ processes), one set of slot files, and these files in the store directory:
   (`kvstore fsck --repair` / `--rebuild-index`): a repair never runs next to an engine, and
   no engine starts while one runs.
 - ``engines/ATTACH``: flock exclusive around the short attach and reclaim sections.
-- ``engines/slots``: the store's slot generations (`kvstore._keytable.SharedMap`): header
+- ``engines/slots``: the store's slot generations (`kvstore._sharedmap.SharedMap`): header
   words (see ``W_*``), then a u64 per slot: the generation of the committed entry the slot
   holds, 0 when it holds none. Every engine's lookups check their hits against it (an
   engine's in-memory table does not hear of another engine's evictions), and evictions
-  clear it before they look at the other engines' pins (see `_keytable`).
+  clear it before they look at the other engines' pins (see `_sharedmap`).
 - ``engines/<pid>-<start>.lease``: one per attached process, flock *exclusive* by it for
   its whole life, so a lease whose lock can be taken belongs to a dead process (this holds
   across PID namespaces too: no pid is trusted). Its header names the process; after the
@@ -35,7 +35,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
-from kvstore._keytable import SharedMap
+from kvstore._sharedmap import SharedMap
 from kvstore.errors import CorruptStore, DataDirError, KVStoreError, StoreLocked
 
 log = logging.getLogger("kvstore.store.shared")

@@ -20,7 +20,8 @@ from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys)
 
 from kvstore.store.disk import DiskStore, ensure_store
-from kvstore._keytable import KeySet, SeenFilter, keys_with_packed, make_keys
+from kvstore._keytable import KeySet, keys_with_packed, make_keys
+from kvstore._seenfilter import SeenFilter
 from kvstore.errors import KVStoreError
 from kvstore.lookup.events import AnnounceBatch, Committed, Counted, Dropped, Evicted, Failed
 from kvstore.lookup.table import ServingIndex, SyncServingIndex

@@ -246,7 +246,7 @@ def test_exclusive_open_waits_for_no_engine(tmp_path, child):
 
 def _mapped(path, size):
     """A SharedMap of a new file of `size` bytes (the store's slots map or a lease's pins)."""
-    from kvstore._keytable import SharedMap
+    from kvstore._sharedmap import SharedMap
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     os.ftruncate(fd, size)
     m = SharedMap(fd, size, True)

@@ -15,7 +15,7 @@ import vllm  # noqa: E402,F401  (needed: a vLLM that does not import fails these
 from connector_util import (BS, SLOT, conn_stats, drop_gpu_cache, keys_of,  # noqa: E402
                             kv_harness, loads_ok, prompts, sched, settle)
 
-from kvstore._keytable import SeenFilter  # noqa: E402
+from kvstore._seenfilter import SeenFilter  # noqa: E402
 from kvstore.errors import ConfigError  # noqa: E402
 from kvstore.vllm.config import ConnectorConfig  # noqa: E402
 
