@@ -55,7 +55,7 @@ import uuid
 import numpy as np
 
 from kvstore.bench.io_bench import drop_page_cache
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.errors import ConfigError, KVStoreError, MissingDependency
 from kvstore.format.layout import format_size, parse_size
 
 # 7B-class layout (Llama-3-8B / Mistral-7B: 32 layers, 8 KV heads, head dim 128, bf16):
@@ -362,7 +362,7 @@ def run(directory: str | None = None, chunk_sizes=DEFAULT_CHUNKS, size="1G", cap
     chunks = [parse_size(c) for c in chunk_sizes]
     geometry = {c: chunk_geometry(c) for c in chunks}
     if "fio" in systems and shutil.which("fio") is None:
-        raise KVStoreError("fio is not installed (Debian: apt-get install fio)")
+        raise MissingDependency("fio is not installed (Debian: apt-get install fio)")
     tmp = None
     if directory is None:
         tmp = directory = tempfile.mkdtemp(prefix="kvstore-tier-bench-", dir="/var/tmp")
