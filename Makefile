@@ -2,6 +2,9 @@
 # Both create .venv/ and install everything they need on a fresh machine. `make test-fast`
 # is the developer's loop: the suite without real servers and slow tests (docs/CONTRIBUTING.md).
 PYTHON ?= python3
+# pip keeps no cache: the venvs' wheels (torch alone is GBs) would otherwise stay in
+# ~/.cache/pip, on a file system the disk check below does not look at.
+export PIP_NO_CACHE_DIR := 1
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
