@@ -673,6 +673,13 @@ def test_kvstore_data_dirs_spread_and_a_failed_device_is_fenced(engines, tmp_pat
     assert e.lookup(new) == [LookupResult.HIT] * len(new)
     for k, got in zip(new, e.read(new)):
         assert np.array_equal(got, payload(k))
+    # a restart with the device still failed serves from the others
+    e.close()
+    e2 = engines(tier_entry("kvstore", tmp_path, data_dirs=dirs, device_eio_limit=1), chunks=32)
+    lost = [k for k in keys if dev.get(k) is None]
+    assert e2.lookup(new + lost[:4]) == [LookupResult.HIT] * len(new) + [LookupResult.MISS] * 4
+    for k, got in zip(new, e2.read(new)):
+        assert np.array_equal(got, payload(k))
 
 
 # ------------------------------------------------------------------------- several engines
