@@ -14,11 +14,9 @@ import logging
 import math
 import mmap
 import os
-import struct
 import threading
 import time
-from collections import abc, deque
-from dataclasses import dataclass
+from collections import deque
 from typing import Callable, Sequence
 
 import numpy as np
@@ -32,6 +30,9 @@ from kvstore.io.device_stream import DeviceStream
 from kvstore.errors import AlignmentError, ConfigError, CorruptSlot, KVStoreError, StoreClosed
 from kvstore.format.layout import HEADER_SIZE, Layout, check_layout, device_dirs, read_fingerprint
 from kvstore.io.staging import Staging
+from kvstore.io.iostats import OP_READ, OP_WRITE, IOCounters
+from kvstore.io.paths import rank_dir, slot_file_path
+from kvstore.io.records import SlotRef, ref_parts, ref_slots
 from kvstore.io.threads import make_thread
 
 log = logging.getLogger("kvstore.io.rank")
@@ -40,8 +41,6 @@ log = logging.getLogger("kvstore.io.rank")
 IO_MODES = ("direct", "page_cache")
 VERIFY_MODES = ("checksum", "header")
 _VERIFY_CODE = {"header": 1, "checksum": 2}   # Ring.slot_io's verify levels
-OP_READ, OP_WRITE = 0, 1
-
 # Errors that mean "this device may have failed" (a store over several data directories
 # fences the device: a device gone or a read-only remount at once, EIO from the media or
 # the controller past EIO_LIMIT or a failed probe, below); anything else (ENOSPC, EINVAL,
@@ -132,174 +131,6 @@ def _check_choice(name, value, choices):
         raise ConfigError(f"{name}={value!r} is not valid; choose one of {', '.join(choices)}")
 
 
-def rank_dir(store_dir: str, rank: int) -> str:
-    return os.path.join(store_dir, f"rank{rank}")
-
-
-def slot_file_path(store_dir: str, rank: int, file_index: int) -> str:
-    """A slot file of one rank in one device directory (the store directory itself for a
-    single-directory store, else one of its `data_dirs`)."""
-    return os.path.join(rank_dir(store_dir, rank), f"slots-{file_index:04d}.kvs")
-
-
-IOSTATS = "iostats"   # per device and rank: bytes read and written through kvstore
-_IOSTATS_MAGIC = b"KVSTIOST"
-_IOSTATS_SIZE = 4096
-_IOSTATS_LOCK = threading.Lock()   # one process's openers of a rank add exactly
-
-
-def iostats_path(device_dir: str, rank: int) -> str:
-    return os.path.join(rank_dir(device_dir, rank), IOSTATS)
-
-
-def create_iostats(device_dir: str, rank: int) -> None:
-    """Create a zeroed counter file (preallocated: updates through the mapping never
-    need a block the file system might not have)."""
-    fd = os.open(iostats_path(device_dir, rank), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        if os.fstat(fd).st_size < _IOSTATS_SIZE:
-            os.posix_fallocate(fd, 0, _IOSTATS_SIZE)
-            os.pwrite(fd, _IOSTATS_MAGIC + struct.pack("<IIQQ", 1, 0, 0, 0), 0)
-    finally:
-        os.close(fd)
-
-
-def read_iostats(device_dir: str, rank: int) -> tuple[int, int, int] | None:
-    """(bytes read, bytes written, failed I/O ops) recorded for one rank on one device, or
-    None when the counter file is missing or damaged (nothing tracked)."""
-    try:
-        fd = os.open(iostats_path(device_dir, rank), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        raw = os.pread(fd, 40, 0)
-    finally:
-        os.close(fd)
-    if len(raw) < 32 or raw[:8] != _IOSTATS_MAGIC:
-        return None
-    errors = struct.unpack_from("<Q", raw, 32)[0] if len(raw) >= 40 else 0
-    return (*struct.unpack_from("<QQ", raw, 16), errors)
-
-
-_libc = None
-
-
-def _mmap_shared(fd: int, size: int) -> int:
-    """mmap(MAP_SHARED) through libc: Python's mmap keeps a dup of the fd open for the
-    mapping's life (3.11 has no trackfd=False), which the fd audits would see."""
-    import ctypes
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.mmap.restype = ctypes.c_void_p
-        _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_int, ctypes.c_long]
-        _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-    if addr in (None, ctypes.c_void_p(-1).value):
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap: {os.strerror(err)}")
-    return addr
-
-
-class _IOCounters:
-    """The mapped counter file of one rank on one device: bytes read and written, and
-    failed I/O ops (word 4, zero in files older than it: the file is preallocated), added
-    by memory stores (no syscall per batch; the kernel writes the page back, so a killed
-    process loses nothing, a power loss at most the last writeback interval)."""
-
-    def __init__(self, device_dir: str, rank: int):
-        import ctypes
-        path = iostats_path(device_dir, rank)
-        create_iostats(device_dir, rank)
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            self._addr = _mmap_shared(fd, _IOSTATS_SIZE)
-        finally:
-            os.close(fd)
-        self._words = (ctypes.c_uint64 * 5).from_address(self._addr)
-        if bytes(self._words)[:8] != _IOSTATS_MAGIC:
-            log.warning("%s is damaged; its byte counters restart at 0", path)
-            ctypes.memmove(self._addr, _IOSTATS_MAGIC + struct.pack("<IIQQ", 1, 0, 0, 0), 32)
-
-    def add(self, opcode: int, nbytes: int) -> None:
-        i = 2 if opcode == OP_READ else 3
-        with _IOSTATS_LOCK:
-            self._words[i] += nbytes
-
-    def add_errors(self, n: int) -> None:
-        with _IOSTATS_LOCK:
-            self._words[4] += n
-
-    def close(self) -> None:
-        if self._addr:
-            self._words = None
-            _libc.munmap(self._addr, _IOSTATS_SIZE)
-            self._addr = 0
-
-
-@dataclass(frozen=True, slots=True)
-class SlotRef:
-    """One block's place on disk: what a worker needs to write or read it."""
-
-    key: bytes
-    slot: int
-    generation: int
-
-
-class Columns(abc.Sequence):
-    """Many blocks as three parallel lists (keys, slots, generations): a sequence whose
-    items (`_item(key, slot, generation)`) are made on the fly. Code that hands hundreds
-    of blocks a step between kvstore's threads passes these, not an object per block:
-    objects the garbage collector tracks are what make it run on the thread that
-    allocates them, and a collection holds the GIL (for milliseconds: it walks vLLM's
-    request lists) while vLLM's step thread waits."""
-
-    __slots__ = ("keys", "slots", "generations")
-
-    def __init__(self, keys: Sequence[bytes], slots: Sequence[int], generations: Sequence[int]):
-        if not len(keys) == len(slots) == len(generations):
-            raise ValueError(f"{type(self).__name__}: {len(keys)} keys, {len(slots)} slots "
-                             f"and {len(generations)} generations")
-        self.keys, self.slots, self.generations = keys, slots, generations
-
-    @staticmethod
-    def _item(key, slot, generation):
-        raise NotImplementedError
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return type(self)(self.keys[i], self.slots[i], self.generations[i])
-        return self._item(self.keys[i], self.slots[i], self.generations[i])
-
-    def __iter__(self):
-        return map(self._item, self.keys, self.slots, self.generations)
-
-
-class SlotRefs(Columns):
-    """A sequence of `SlotRef` (the worker's I/O thread hands RankIO its blocks so)."""
-
-    __slots__ = ()
-    _item = SlotRef
-
-
-def _parts(refs) -> tuple[list, list, list]:
-    """(keys, slots, generations) of a sequence of SlotRef, as lists."""
-    if isinstance(refs, SlotRefs):
-        return list(refs.keys), list(refs.slots), list(refs.generations)
-    return [r.key for r in refs], [r.slot for r in refs], [r.generation for r in refs]
-
-
-def _slots(refs) -> Sequence[int]:
-    """The slots of a sequence of SlotRef (SlotRefs' own list, not a copy)."""
-    return refs.slots if isinstance(refs, SlotRefs) else [r.slot for r in refs]
-
-
-
-
 class RankIO:
     """One rank's slot files, io_uring ring and staging memory.
 
@@ -350,7 +181,7 @@ class RankIO:
         self._pool = None
         self._streams: list[DeviceStream] | None = None
         self._streams_lock = threading.Lock()   # built once, whichever thread asks first
-        self._counters: list[_IOCounters | None] = []
+        self._counters: list[IOCounters | None] = []
         # bytes this opener moved, per device: [read, written]
         self.io_bytes = np.zeros((self.ndev, 2), dtype=np.int64)
         nf0 = geo.num_files
@@ -449,7 +280,7 @@ class RankIO:
     @staticmethod
     def _open_counters(ddir: str, rank: int):
         try:
-            return _IOCounters(ddir, rank)
+            return IOCounters(ddir, rank)
         except OSError as exc:
             log.warning("rank %d: cannot open the byte counters of %s (%s); bytes moved on this "
                         "device are not recorded", rank, ddir, exc)
@@ -805,7 +636,7 @@ class RankIO:
         fds, offsets); with `stream`, an object whose `result()` returns them: the parts
         are started on the device streams at once and move while the caller goes on (the
         caller must call result(), and keep the memory untouched until then)."""
-        keys, slots, gens = _parts(refs)
+        keys, slots, gens = ref_parts(refs)
         fds, offs, devs = self._locate(slots)
         io_len = self.slot_size - HEADER_SIZE
         align = HEADER_SIZE if self._direct else 1
@@ -997,7 +828,7 @@ class RankIO:
         name distinct slots (consecutive chunks are in flight together, in no order).
         """
         self._check_open()
-        if len(set(_slots(refs))) != len(refs):
+        if len(set(ref_slots(refs))) != len(refs):
             raise ValueError("write_blocks: a slot appears twice in one batch (its two writes "
                              "would race); write one key per slot")
         errors: list[Exception | None] = [None] * len(refs)

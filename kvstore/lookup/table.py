@@ -53,7 +53,7 @@ from kvstore.store.disk import DiskStore
 from kvstore.errors import KVStoreError, StoreFull
 from kvstore.index.core import Entry
 from kvstore.format.layout import block_key
-from kvstore.io.rank import Columns
+from kvstore.io.records import Columns
 from kvstore.store.shared import W_ATTACHED
 from kvstore.io.threads import make_thread
 from kvstore.lookup.events import (AnnounceBatch, Committed, Counted, Dropped, Evicted, Failed,

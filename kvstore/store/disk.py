@@ -32,9 +32,10 @@ from kvstore.format.layout import (
     normalize_data_dirs, parse_size, read_fingerprint, write_fingerprint,
 )
 
-from kvstore.io.rank import (  # noqa: F401  (RankIO, SlotRef and the paths are public here too)
-    IO_MODES, RankIO, SlotRef, _check_choice, create_iostats, rank_dir, slot_file_path,
-)
+from kvstore.io.iostats import create_iostats
+from kvstore.io.paths import rank_dir, slot_file_path  # noqa: F401  (public here too)
+from kvstore.io.rank import IO_MODES, RankIO, _check_choice
+from kvstore.io.records import SlotRef  # noqa: F401  (public here too)
 from kvstore.io.datadirs import (  # noqa: F401  (probe_data_dir and DATA_MARKER are public here too)
     DATA_MARKER, _check_data_dir, _check_dir, _check_distinct_dirs, _check_free_space, _claim_data_dir,
     _write_marker, probe_data_dir,

@@ -28,7 +28,7 @@ from kvstore.store import shared
 from kvstore.store.disk import DiskStore, rank_dir, slot_file_path
 from kvstore.errors import KVStoreError
 from kvstore.format.layout import FINGERPRINT, device_dirs, format_size, read_fingerprint
-from kvstore.io.rank import read_iostats
+from kvstore.io.iostats import read_iostats
 
 __all__ = ["gather", "format_text"]
 

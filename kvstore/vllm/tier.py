@@ -74,7 +74,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvstore.store.disk import DiskStore, ensure_store
 from kvstore.errors import ConfigError, CorruptSlot, KVStoreError, LayoutMismatch
 from kvstore.format.layout import HEADER_SIZE, Layout, format_size, read_fingerprint
-from kvstore.io.rank import RankIO, SlotRefs
+from kvstore.io.rank import RankIO
+from kvstore.io.records import SlotRefs
 from kvstore.lookup.events import AnnounceBatch, Committed, Dropped, Evicted, Failed
 from kvstore.lookup.table import ServingIndex
 from kvstore.io.threads import make_thread

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 from kvstore.store.disk import ensure_store
 from kvstore.errors import KVStoreError
-from kvstore.io.rank import RankIO, SlotRefs
+from kvstore.io.rank import RankIO
+from kvstore.io.records import SlotRefs
 from kvstore.io.threads import make_thread
 from kvstore.vllm.transfer import CopyError, KVTransfer, check_groups_alias
 from kvstore.vllm.config import ConnectorConfig, carrier_group

@@ -569,7 +569,7 @@ def test_items_and_slotrefs_are_sequences_made_of_three_lists():
     slice, reverse and iterate."""
     import array
 
-    from kvstore.io.rank import SlotRefs
+    from kvstore.io.records import SlotRefs
     from kvstore.lookup.table import Items, _split_failed
     keys = [k(i) for i in range(5)]
     slots = array.array("I", [10, 11, 12, 13, 14])

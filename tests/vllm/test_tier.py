@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from kvstore.store.disk import DiskStore
 from kvstore.errors import ConfigError, LayoutMismatch
 from kvstore.format.layout import HEADER_SIZE
-from kvstore.io.rank import slot_file_path
+from kvstore.io.paths import slot_file_path
 from kvstore.vllm.tier import KVStoreTier, TierMetrics
 
 from mount_util import loop_ext4
