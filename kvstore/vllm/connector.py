@@ -14,6 +14,7 @@ This package is the only place in kvstore that imports vLLM.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from kvstore.vllm.config import (
@@ -55,6 +56,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                               group_kinds=kinds)
             log.info("kvstore: serving store %s (%s)", self.cfg.path, self.scheduler.store.stats())
             _warn_load_failure_policy(self._kv_transfer_config)
+            _warn_cpu_reservation(vllm_config)
         self._rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
         if role == KVConnectorRole.WORKER and kv_cache_config is not None:
             # Refuse a KV cache kvstore cannot copy now, with what to change, rather than
@@ -187,6 +189,47 @@ def _warn_load_failure_policy(kv_transfer_config) -> None:
             "kvstore's verification (checksum mismatch, I/O error, load timeout) fails the "
             "user's request instead of being recomputed. Set "
             '"kv_load_failure_policy": "recompute" in --kv-transfer-config.')
+
+
+def cpu_reservation_advice(forward_on_host: bool, omp_bind: str | None, reserved_env: str | None,
+                           ranks: int) -> str | None:
+    """What to set when vLLM's CPU build keeps cores from the forward for kvstore, else None.
+
+    The CPU build binds the forward's OpenMP threads to every core of a NUMA node but a
+    reserved few, where the engine core process (the scheduler, spinning while it waits for
+    the workers) and the API server run: one core per rank, and one more per rank whenever a
+    KV connector is configured (for NIXL's transfer threads). kvstore's threads need no core
+    of their own (its I/O thread waits on io_uring and runs in C), so that second core only
+    leaves the forward one core short; on a small host (2 cores, one rank) nothing is left
+    reserved, the engine core's busy loop preempts the forward's OpenMP threads, and request
+    throughput drops to a third of vLLM alone's (docs/benchmarks.md, `kvstore bench serve`).
+    Setting VLLM_CPU_NUM_OF_RESERVED_CPU to the ranks per node restores vLLM alone's binding.
+    Nothing to say on GPUs, with a binding of the operator's own, or with the variable set."""
+    if not forward_on_host or (omp_bind or "auto") != "auto" or reserved_env not in (None, ""):
+        return None
+    return (f"kvstore: vLLM's CPU build reserves {2 * ranks} core(s) for its engine core when a KV "
+            f"connector is configured ({ranks} for the engine, {ranks} for a NIXL connector's "
+            "threads); kvstore needs none, and the extra reservation takes cores from the "
+            "forward (on a host with 2 cores per NUMA node it leaves none for the engine core, "
+            "whose busy loop then preempts the forward: a third of vLLM alone's throughput). Set "
+            f"VLLM_CPU_NUM_OF_RESERVED_CPU={ranks} in the server's environment to bind as vLLM "
+            "alone does.")
+
+
+def _warn_cpu_reservation(vllm_config) -> None:
+    """Warn once per engine (the scheduler role) when `cpu_reservation_advice` has advice."""
+    try:
+        from vllm import envs
+        forward_on_host = ConnectorConfig.forward_on_host()
+        pc = vllm_config.parallel_config
+        ranks = int(getattr(pc, "tensor_parallel_size", 1) or 1) * \
+            int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+        advice = cpu_reservation_advice(forward_on_host, getattr(envs, "VLLM_CPU_OMP_THREADS_BIND", None),
+                                        os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"), ranks)
+    except Exception:   # (a vLLM without these settings: nothing to advise)
+        return
+    if advice:
+        log.warning(advice)
 
 
 def _request_amx_permission() -> None:

@@ -288,3 +288,20 @@ def test_load_failure_policy_fail_warns_once_at_start(tmp_path, caplog, policy):
             assert got == [(logging.WARNING, _POLICY_WARNING)], got
     finally:
         h.shutdown()
+
+
+# ------------------------------------------------------------------ CPU build core reservation
+@pytest.mark.parametrize("forward_on_host,bind,reserved,ranks,advised", [
+    (True, "auto", None, 1, "VLLM_CPU_NUM_OF_RESERVED_CPU=1"),     # CPU build, vLLM's binding
+    (True, None, None, 2, "VLLM_CPU_NUM_OF_RESERVED_CPU=2"),
+    (True, "auto", "1", 1, None),       # the operator chose the reservation
+    (True, "0-3", None, 1, None),       # a binding of the operator's own
+    (False, "auto", None, 1, None),     # GPUs: the forward leaves the cores alone
+])
+def test_cpu_reservation_advice(forward_on_host, bind, reserved, ranks, advised):
+    from kvstore.vllm.connector import cpu_reservation_advice
+    advice = cpu_reservation_advice(forward_on_host, bind, reserved, ranks)
+    if advised is None:
+        assert advice is None
+    else:
+        assert advised in advice and f"reserves {2 * ranks} core(s)" in advice
