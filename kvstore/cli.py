@@ -457,7 +457,8 @@ def bench_ttft(lengths, samples, model, python, systems, directory, plot_path, a
 
 @bench.command("serve")
 @click.option("--systems", default=None, help="Comma-separated subset of: vllm, kvstore, ceiling, "
-              "offload-fs (default: all; a system that cannot start on this engine is listed with its error).")
+              "offload-fs, kvstore-tier (default: all; a system that cannot start on this engine is listed "
+              "with its error).")
 @click.option("--workloads", default=None, help="Comma-separated subset of: prefix_repetition, doc_qa, "
               "no_reuse (default: all).")
 @click.option("--model", default="demo", show_default=True,

@@ -17,20 +17,28 @@ Workloads (each sent with a fixed number of requests in flight):
 
 Systems: `vllm` (vLLM alone, KV cache a fraction of the working set), `kvstore` (the same
 cache plus the kvstore connector), `ceiling` (vLLM alone with a KV cache that holds every
-workload whole), and vLLM's own disk paths (`offload-fs`: the OffloadingConnector with its fs
-tier) where they start; those that do not are listed with their error.
+workload whole), and the OffloadingConnector's disk paths: a CPU primary tier with vLLM's
+`fs` tier behind it (`offload-fs`) or kvstore's `KVStoreTier` (`kvstore-tier`), on vLLM's CPU
+build through `kvstore.vllm.cpu_offload.CPUTieringOffloadingSpec`. A system that does not
+start on this engine is listed with its error. On the CPU build every server gets vLLM
+alone's core binding (VLLM_CPU_NUM_OF_RESERVED_CPU=1, see `kvstore.vllm.connector.
+cpu_reservation_advice`), unless the caller's environment sets it.
 
 Phases: `cold` (a new server, an empty store), `warm` (the same traffic again on that
 server), `restart` (a new server on the same store; run for systems that keep a cache across
-a restart, kvstore; `--restart-all` runs it for every system, where it equals a cold run).
+a restart: kvstore, offload-fs, kvstore-tier; `--restart-all` runs it for every system,
+where it equals a cold run).
 
 Per phase: request throughput, output tokens/s, TTFT p50/p90/p99, ITL p50/p99 (client-side,
 streamed), and from the server's `/metrics`: prompt tokens, tokens from vLLM's own prefix
-cache, tokens from the connector (kvstore: `vllm:kvstore_hit_tokens_total`, tokens from
-disk), and preemptions.
+cache, tokens from the connector (`vllm:external_prefix_cache_hits_total`; for kvstore
+these come from disk, for the tiers from the CPU tier or the disk tier behind it), and
+preemptions.
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import math
 import os
@@ -40,16 +48,19 @@ import subprocess
 import tempfile
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from kvstore.bench.ttft_bench import _pct  # the same interpolated percentile
+from kvstore.bench.ttft_bench import _pct, tier_systems  # the same percentile, tier configs
 from kvstore.errors import ConfigError
 from kvstore.drivers.client import Client
 from kvstore.drivers.models import SPECS, default_dir, words
 from kvstore.drivers.server import ServerStartError, VLLMServer, connector_config, engine_python
 
 WORKLOADS = ("prefix_repetition", "doc_qa", "no_reuse")
-SYSTEMS = ("vllm", "kvstore", "ceiling", "offload-fs")
+SYSTEMS = ("vllm", "kvstore", "ceiling", "offload-fs", "kvstore-tier")
+# Systems that keep their cache across a restart: the restart phase runs for them.
+PERSISTENT = ("kvstore", "offload-fs", "kvstore-tier")
 PHASES = ("cold", "warm", "restart")
 BLOCK = 32
 
@@ -153,11 +164,14 @@ class Bench:
         # documents), never less than one request of max_model_len (vLLM refuses to start
         # below that). Requests in flight that do not fit wait or are preempted, as on a
         # real server with a cache too small (`preemptions` counts them).
-        self.max_model_len = max(prefix_len + suffix_len, doc_tokens + 64) + output_len + 2 * BLOCK
+        # max_model_len: the longest prompt of the workloads run, plus the output.
+        longest = max(prefix_len + suffix_len, doc_tokens + 64 if "doc_qa" in workloads else 0)
+        self.max_model_len = longest + output_len + 2 * BLOCK
         reused = {"prefix_repetition": num_prefixes * prefix_len, "doc_qa": documents * doc_tokens}
         self.working_set = max([reused[w] for w in workloads if w in reused] or [prefix_len])
         need = concurrency * (self.max_model_len + BLOCK)
-        self.small_blocks = math.ceil(max(kv_fraction * self.working_set, self.max_model_len) / BLOCK)
+        # (+1: vLLM keeps block 0 as its null block; it holds no tokens)
+        self.small_blocks = math.ceil(max(kv_fraction * self.working_set, self.max_model_len) / BLOCK) + 1
         # The ceiling holds every prompt token of the largest workload, plus the requests in flight.
         every = max(num_prefixes * prefix_len + num_prompts * (suffix_len + output_len),
                     documents * doc_tokens + documents * (1 + questions) * (64 + output_len),
@@ -171,28 +185,44 @@ class Bench:
                               for _ in range(documents)]
         self.bench_client = BenchClient(self.python, os.path.join(workdir, "vllm-bench-client.log"))
         self.n_server = 0
+        self.engine_ids: dict[str, str] = {}    # OffloadingConnector config -> its engine id
 
     # -- servers ------------------------------------------------------------------------
     def systems(self) -> dict:
-        fs_root = os.path.join(self.workdir, "offload-fs")
+        # vLLM's OffloadingConnector with a CPU primary tier and a disk tier behind it, as
+        # `kvstore bench ttft` runs it (on the CPU build through kvstore.vllm.cpu_offload):
+        # vLLM's fs tier ("offload-fs") and kvstore's KVStoreTier ("kvstore-tier").
+        tiers = tier_systems(self.workdir, self.engine)
+        tiers["kvstore-tier"]["kv_connector_extra_config"]["secondary_tiers"][0]["capacity"] = self.capacity
         return {
             "vllm": (None, self.small_blocks),
             "kvstore": (connector_config(os.path.join(self.workdir, "kvstore"), capacity=self.capacity),
                         self.small_blocks),
             "ceiling": (None, self.ceiling_blocks),
-            "offload-fs": ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                            "kv_connector_extra_config": {
-                                "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 256 << 20,
-                                "secondary_tiers": [{"type": "fs", "root_dir": fs_root}]}},
-                           self.small_blocks),
+            "offload-fs": (tiers["fs-tier"], self.small_blocks),
+            "kvstore-tier": (tiers["kvstore-tier"], self.small_blocks),
         }
 
     def server(self, kv, blocks) -> VLLMServer:
         self.n_server += 1
         gib = max(1, math.ceil(blocks * BLOCK * self.kv_bytes_per_token * 1.1 / (1 << 30)))
+        if kv is not None and kv.get("kv_connector") == "OffloadingConnector":
+            # A known engine id: the API server stops its engine core with a forced kill,
+            # which leaves the CPU tier's shared region (/dev/shm/vllm_offload_ID.mmap)
+            # behind; the bench removes it (`close`). The same id across a restart.
+            kv = {**kv, "engine_id": self.engine_ids.setdefault(
+                json.dumps(kv, sort_keys=True), f"kvstore-bench-serve-{uuid.uuid4().hex[:12]}")}
+        env = {}
+        if "CPU build" in self.engine and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
+            # The CPU build reserves one more core per rank for any KV connector (NIXL's
+            # threads), which on a small host leaves the engine core none and makes its busy
+            # loop preempt the forward. Every system gets vLLM alone's binding (one core per
+            # rank reserved) so the bench compares the connectors, not the bindings; the
+            # kvstore connector's start-up warning tells users the same.
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
         return VLLMServer(model=self.model_dir, python=self.python, kv_transfer_config=kv, dtype="bfloat16",
                           log_path=os.path.join(self.workdir, f"server-{self.n_server}.log"),
-                          max_model_len=self.max_model_len, kv_cache_gib=gib,
+                          max_model_len=self.max_model_len, kv_cache_gib=gib, env=env,
                           extra_args=["--num-gpu-blocks-override", str(blocks)])
 
     # -- workloads ----------------------------------------------------------------------
@@ -272,20 +302,26 @@ class Bench:
                 self.say(f"{name}: does not start on this engine: {out['not_started'][name]}")
                 return
             try:
-                self.say(f"{name}: serving ({self.engine}), KV cache {blocks * BLOCK} tokens")
+                self.say(f"{name}: serving ({self.engine}), KV cache {(blocks - 1) * BLOCK} tokens")
                 Client(s.url).complete("<s>", max_tokens=1)     # readiness probe
                 for wl in workloads:
                     for ph in life:
                         r = self.phase(s, wl, PHASES.index(ph))
                         out["workloads"][wl].setdefault(name, {})[ph] = r
                         self.say(f"  {wl:<17} {ph:<7} {format_row(r)}")
-                if kv is not None and "kvstore" in json.dumps(kv):
+                if name == "kvstore":
                     _wait_stored(s)
+                elif name in PERSISTENT:
+                    time.sleep(5.0)     # (the tiers export no stored-blocks counter to wait on)
             finally:
                 s.stop()
 
     def close(self):
         self.bench_client.close()
+        for engine_id in self.engine_ids.values():
+            for path in glob.glob(f"/dev/shm/vllm_offload_{engine_id}*"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
 
 def run(*, model: str = "demo", python: str | None = None, systems: list[str] | None = None,
@@ -321,16 +357,16 @@ def run(*, model: str = "demo", python: str | None = None, systems: list[str] | 
                           "num_prefixes": num_prefixes, "num_prompts": num_prompts, "output_len": output_len,
                           "documents": documents, "doc_tokens": doc_tokens, "questions": questions,
                           "no_reuse_prompts": no_reuse_prompts, "block_size": BLOCK,
-                          "kv_cache_tokens": b.small_blocks * BLOCK,
-                          "ceiling_kv_cache_tokens": b.ceiling_blocks * BLOCK,
+                          "kv_cache_tokens": (b.small_blocks - 1) * BLOCK,
+                          "ceiling_kv_cache_tokens": (b.ceiling_blocks - 1) * BLOCK,
                           "working_set_tokens": b.working_set,
-                          "working_set_over_kv_cache": round(b.working_set / (b.small_blocks * BLOCK), 2)},
+                          "working_set_over_kv_cache": round(b.working_set / ((b.small_blocks - 1) * BLOCK), 2)},
                "workloads": {w: {} for w in workloads}, "not_started": {}}
-        say(f"kvstore bench serve: {b.engine}; model {out['model']}; KV cache {b.small_blocks * BLOCK} "
-            f"tokens for a working set of {b.working_set} (ceiling: {b.ceiling_blocks * BLOCK}); "
+        say(f"kvstore bench serve: {b.engine}; model {out['model']}; KV cache {(b.small_blocks - 1) * BLOCK} "
+            f"tokens for a working set of {b.working_set} (ceiling: {(b.ceiling_blocks - 1) * BLOCK}); "
             f"{concurrency} requests in flight")
         for name in systems:
-            restart = restart_all or name == "kvstore"
+            restart = restart_all or name in PERSISTENT
             b.run_system(name, workloads, restart, out)
         out["targets"] = targets(out)
         out["seconds"] = round(time.perf_counter() - t0)
@@ -386,7 +422,7 @@ def format_row(r: dict) -> str:
     return (f"{_f(r['throughput_rps'], '{:.2f}'):>6} req/s {_f(r['output_tps'], '{:.1f}'):>6} tok/s  TTFT p50/p90/p99 "
             f"{_f(r['ttft_p50_ms'])}/{_f(r['ttft_p90_ms'])}/{_f(r['ttft_p99_ms'])} ms  ITL p50/p99 "
             f"{_f(r['itl_p50_ms'])}/{_f(r['itl_p99_ms'])} ms  prompt {r['prompt_tokens']} tok: "
-            f"{r['gpu_hit_tokens']} from vLLM's cache, {r['disk_hit_tokens']} from disk")
+            f"{r['gpu_hit_tokens']} from vLLM's cache, {r['external_hit_tokens']} from the connector")
 
 
 def format_table(out: dict) -> str:
@@ -394,23 +430,24 @@ def format_table(out: dict) -> str:
     lines = [f"kvstore bench serve: {out['engine']}, model {out['model']}, {cfg['concurrency']} requests in flight, "
              f"KV cache {cfg['kv_cache_tokens']} tokens for a reused working set of {cfg['working_set_tokens']} "
              f"({cfg['working_set_over_kv_cache']}x); ceiling KV cache {cfg['ceiling_kv_cache_tokens']} tokens",
-             f"{'workload':<18}{'system':<11}{'phase':<8}{'req/s':>7}{'out tok/s':>10}{'TTFT p50':>9}{'p90':>7}"
-             f"{'p99':>7}{'ITL p50':>8}{'p99':>6}{'prompt tok':>11}{'vLLM hit':>9}{'disk hit':>9}"]
+             f"{'workload':<18}{'system':<13}{'phase':<8}{'req/s':>7}{'out tok/s':>10}{'TTFT p50':>9}{'p90':>7}"
+             f"{'p99':>7}{'ITL p50':>8}{'p99':>6}{'prompt tok':>11}{'vLLM hit':>9}{'conn hit':>9}"]
     for wl, systems in out["workloads"].items():
         for name, phases in systems.items():
             for ph, r in phases.items():
-                lines.append(f"{wl:<18}{name:<11}{ph:<8}{_f(r['throughput_rps'], '{:.2f}'):>7}"
+                lines.append(f"{wl:<18}{name:<13}{ph:<8}{_f(r['throughput_rps'], '{:.2f}'):>7}"
                              f"{_f(r['output_tps'], '{:.1f}'):>10}{_f(r['ttft_p50_ms']):>9}{_f(r['ttft_p90_ms']):>7}"
                              f"{_f(r['ttft_p99_ms']):>7}{_f(r['itl_p50_ms']):>8}{_f(r['itl_p99_ms']):>6}"
-                             f"{r['prompt_tokens']:>11}{r['gpu_hit_tokens']:>9}{r['disk_hit_tokens']:>9}")
+                             f"{r['prompt_tokens']:>11}{r['gpu_hit_tokens']:>9}{r['external_hit_tokens']:>9}")
     for name, why in out["not_started"].items():
         lines.append(f"{name}: did not start: {why}")
     for wl, t in out.get("targets", {}).items():
         lines.append(f"targets, {wl}: " + ", ".join(
             f"{k}={'-' if v is None else ('yes' if v is True else 'NO' if v is False else v)}" for k, v in t.items()))
     lines.append("(ms; TTFT and ITL as the client saw them; 'vLLM hit' = prompt tokens from vLLM's own "
-                 "prefix cache, 'disk hit' = from kvstore; targets compare kvstore after a restart with "
-                 "vLLM alone and the ceiling in their warm phase)")
+                 "prefix cache, 'conn hit' = from the connector (kvstore: disk; the tiers: CPU tier "
+                 "or disk); targets compare kvstore after a restart with vLLM alone and the ceiling "
+                 "in their warm phase)")
     return "\n".join(lines)
 
 
