@@ -582,7 +582,7 @@ def demo(store, capacity, model, python, documents, doc_tokens, sessions, concur
          as_json):
     """Serve chats + shared documents with a real `vllm serve`, restart it, replay: hits from disk."""
     if simulated:
-        from kvstore import demo_simulated as sim
+        from kvstore.drivers import demo_simulated as sim
         try:
             out = sim.run(store=store, capacity=capacity)
         except (KVStoreError, OSError) as exc:
