@@ -456,7 +456,7 @@ def plot(out: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     wls = list(out["workloads"])
-    fig, axes = plt.subplots(2, len(wls), figsize=(4.5 * len(wls), 7), squeeze=False)
+    fig, axes = plt.subplots(2, len(wls), figsize=(5.5 * len(wls), 8), squeeze=False)
     for j, wl in enumerate(wls):
         labels, rps, ttft = [], [], []
         for name, phases in out["workloads"][wl].items():
@@ -464,7 +464,8 @@ def plot(out: dict, path: str) -> None:
                 labels.append(f"{name}\n{ph}")
                 rps.append(r["throughput_rps"] or 0)
                 ttft.append(r["ttft_p50_ms"] or 0)
-        colors = ["C0" if "vllm" in lab.split("\n")[0] else "C1" if "kvstore" in lab else "C2" for lab in labels]
+        palette = {name: f"C{i}" for i, name in enumerate(SYSTEMS)}
+        colors = [palette.get(lab.split("\n")[0], "C9") for lab in labels]
         axes[0][j].bar(range(len(labels)), rps, color=colors)
         axes[0][j].set_title(wl)
         axes[0][j].set_ylabel("requests/s")
@@ -472,7 +473,7 @@ def plot(out: dict, path: str) -> None:
         axes[1][j].set_ylabel("TTFT p50 (ms, log)")
         axes[1][j].set_yscale("log")
         for ax in (axes[0][j], axes[1][j]):
-            ax.set_xticks(range(len(labels)), labels, fontsize=7)
+            ax.set_xticks(range(len(labels)), labels, fontsize=7, rotation=60, ha="right")
     fig.suptitle(f"kvstore bench serve: {out['engine']}, {out['config']['concurrency']} in flight, "
                  f"working set {out['config']['working_set_over_kv_cache']}x the KV cache", fontsize=9)
     fig.tight_layout()
