@@ -374,7 +374,8 @@ def bench_tier(directory, chunk_sizes, chunk_tokens, size, capacity, primary, jo
                    "The p99 of fewer than 100 steps is their slowest (the default is 256).")
 @click.option("--prompt-tokens", default=8192, show_default=True, type=click.IntRange(32, 8192))
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
-              help="Also run the previous, synchronous design (index_thread: false).")
+              help="Also run the synchronous baseline index (every index operation on the "
+                   "scheduler thread).")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="Scratch directory (default: the system temp directory).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,

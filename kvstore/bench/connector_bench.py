@@ -13,8 +13,8 @@ store is full: every store evicts), in two phases:
 Every scheduler-side connector call is timed; a step's connector time is the sum of its
 calls. Reported per phase: p50/p99/max per step, steps, and the index fsyncs done on the
 scheduler thread (`Index.fsyncs_by_thread`; the target is zero). With `baseline`, the same
-phases run again with `index_thread: false` (the synchronous baseline: every index
-operation, commit fsyncs included, on the scheduler thread), on the same store.
+phases run again over the synchronous baseline index (`kvstore.bench.sync_index`: every
+index operation, commit fsyncs included, on the scheduler thread), on the same store.
 
 The harness has no model: each step that computed tokens is followed by `forward_ms` of
 sleep standing in for the model's forward (10 ms by default; an 8k-token prefill takes
@@ -315,11 +315,21 @@ def _pace(h, timer: _StepTimer, forward_s: float) -> None:
 
 def _phases(common: dict, prompts: list, index_thread: bool, load_prompts: list | None = None,
             barrier=None, forward_s: float = 0.0) -> dict:
+    """The store and load phases; without `index_thread`, over the synchronous baseline
+    index (`kvstore.bench.sync_index`)."""
+    if index_thread:
+        return _run_phases(common, prompts, load_prompts, barrier, forward_s)
+    from kvstore.bench.sync_index import baseline_index
+    from kvstore.vllm.scheduler import KVStoreScheduler
+    with baseline_index(KVStoreScheduler):
+        return _run_phases(common, prompts, load_prompts, barrier, forward_s)
+
+
+def _run_phases(common: dict, prompts: list, load_prompts: list | None, barrier,
+                forward_s: float) -> dict:
     import gc
 
     from kvstore.drivers.simulator import EngineHarness
-    cfg = common["kv_transfer_config"]
-    cfg["kv_connector_extra_config"]["index_thread"] = index_thread
     out = {}
     t0 = time.perf_counter()
     with EngineHarness(**common) as h:

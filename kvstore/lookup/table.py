@@ -33,9 +33,6 @@ misses in the table while other engines are attached asks LMDB for the rest of t
 (what another engine stored becomes a hit here, and joins the table). The index thread
 also reclaims the reservations of engines that died (their lease lock is free), follows
 engines that come and go, and sweeps stale entries.
-
-`SyncServingIndex` runs every operation on the caller's thread, fsync included: the
-baseline `kvstore bench connector` compares against (`index_thread: false`).
 """
 from __future__ import annotations
 
@@ -47,10 +44,9 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from kvstore._keytable import (KeySet, KeyTable, fingerprints, keys_with_packed, make_keys,
-                               pin_counts_add, pin_counts_remove)
+from kvstore._keytable import KeySet, KeyTable, fingerprints, keys_with_packed, make_keys
 from kvstore.store.disk import DiskStore
-from kvstore.errors import KVStoreError, StoreFull
+from kvstore.errors import KVStoreError
 from kvstore.index.core import Entry
 from kvstore.format.layout import block_key
 from kvstore.io.records import Columns
@@ -133,10 +129,9 @@ class ServingIndex:
     """See the module docstring. Methods without a leading underscore are for the step
     thread; `_run` and the helpers it calls run on the index thread."""
 
-    lease = None        # the store's `kvstore.store.shared.Lease` (None: not shared, or the baseline)
-    reclaimed = 0
-    cross_hits = 0
-    _hits = _misses = 0     # (class defaults: the synchronous baseline counts at once)
+    # The scheduler plans eager stores packed (vLLM's hashes, no key made on its thread):
+    # this index makes their keys on its own thread.
+    packed_stores = True
 
     def __init__(self, store: DiskStore, *, pool_target: int = 1024, announce=None,
                  probe_devices: str | None = None, thread_cpus: frozenset[int] | None = None,
@@ -163,9 +158,10 @@ class ServingIndex:
         # The pool may hold at most half of a (tiny) store: its slots hold no data.
         self.pool_target = max(1, min(pool_target, self.capacity // 2))
         self._lock = threading.Lock()
+        # The store's `kvstore.store.shared.Lease` (None: not shared).
+        self.lease = getattr(store, "lease", None)
         # The table also holds the pins (a count per slot, in C): a lookup pins its hit in
         # the walk that finds it, the eviction claim reads them without Python objects.
-        self.lease = getattr(store, "lease", None)
         # (with a lease the pins move to its file at once: no point faulting ours in)
         self._table = KeyTable(self.capacity, prefault=self.lease is None)
         self._epoch = -1
@@ -1013,157 +1009,3 @@ class ServingIndex:
             self._pool_slots, self._pool_gens = _empty_pool()
         if pool:
             self.index.abort(pool)
-
-
-class SyncServingIndex(ServingIndex):
-    """The synchronous baseline: every operation runs on the caller's thread,
-    lookups walk LMDB, a store's slots are reserved (with evictions) when it is planned,
-    and a commit fsyncs on the caller's thread. Same interface as `ServingIndex`."""
-
-    class _NoTable:
-        """Lookups read LMDB: commits have no table to update."""
-        def __contains__(self, key):
-            return True
-
-        def put_many(self, keys, slots, gens):
-            return 0
-
-    def __init__(self, store: DiskStore, *, pool_target: int = 0, probe_devices: str | None = None):
-        self.store = store
-        self.index = store._writable()
-        self.capacity = self.index.capacity_slots
-        self.ndev = store.geometry.num_devices
-        self.fences = self.index.set_devices(self.ndev)
-        self.readmitted = []
-        if probe_devices is not None and self.ndev > 1:
-            self._probe_devices(probe_devices == "direct")
-        self.pool_target = 0
-        self._lock = threading.Lock()
-        self._pool_lock = threading.Lock()
-        self._pool_slots, self._pool_gens = [], []
-        self._announce = None
-        self._table = self._NoTable()
-        self._pins: dict[int, int] = {}
-        self._ready = True
-        self._events = deque()
-        self._posted = threading.Event()
-        self._queued = self._applied = 0
-        self._closed = False
-        self.build_s = 0.0
-
-    def wait_ready(self, timeout=None) -> bool:
-        return True
-
-    def wait_events(self, timeout: float) -> None:
-        pass
-
-    def announced(self) -> None:
-        pass
-
-    def lookup_pin(self, keys):
-        entries = self.index.longest_prefix(keys)
-        slots = [e.slot for e in entries]
-        pin_counts_add(self._pins, slots)
-        return slots, [e.generation for e in entries]
-
-    def pin(self, slots):
-        pin_counts_add(self._pins, list(slots))
-
-    def unpin(self, slots):
-        pin_counts_remove(self._pins, list(slots))
-
-    @property
-    def pinned_slots(self):
-        return len(self._pins)
-
-    def pin_counts(self):
-        return dict(self._pins)
-
-    def contains(self, key):
-        return self.index.lookup(key) is not None
-
-    def lookup_hashes(self, hashes, start, stop, group=0, packed=False):
-        return _packed(self._lookup_hashes_lmdb(hashes, start, stop, group), packed)
-
-    def present(self, hashes, start, stop, group=0):
-        return self._present_lmdb(hashes, start, stop, group)
-
-    def plan_new(self, hashes, start, stop, block_ids, skip, limit, group=0, packed=False):
-        keys, bids, idx = self._plan_new_lmdb(hashes, start, stop, block_ids, skip, limit, group)
-        return _packed_plan(hashes, keys, bids, idx, packed)
-
-    def count_dropped(self, hashes, start, stop, skip, group=0):
-        self._post(Counted(count=self._count_new_lmdb(hashes, start, stop, skip, group)))
-
-    def available(self):
-        return 1 << 30      # no pool: take reserves in LMDB (and evicts) on this thread
-
-    def take(self, keys, packed=None):
-        try:
-            items, evicted = self.index.reserve(keys_with_packed(list(keys), packed),
-                                                self._pins.keys())
-        except StoreFull:
-            return [], []
-        if evicted:
-            self._post(Evicted(keys=[e.key for e in evicted], count=len(evicted)))
-        return [s for _, s, _ in items], [g for _, _, g in items]
-
-    def commit(self, good, bad=(), tag=None):
-        self._queued += 1
-        self._commit(list(good), list(bad), tag)
-
-    def commit_blocks(self, keys, slots, gens, failed=(), tag=None, packed=None, keys_back=True,
-                      release=None):
-        keys = keys_with_packed(keys, packed)
-        self._queued += 1
-        self._commit(*_split_failed(keys, slots, gens, failed), tag, keys, keys_back, release)
-
-    def _retry_abort(self, items):
-        try:
-            self.index.abort(items)
-        except KVStoreError:
-            pass
-
-    def abort(self, items):
-        if items:
-            self.index.abort(list(items))
-
-    def touch(self, keys):
-        if keys:
-            self.index.touch(list(keys))
-
-    def touch_blocks(self, runs):
-        keys = [k for hashes, groups in runs for k in make_keys(hashes, groups)]
-        self.touch(keys)
-
-    def drop(self, keys):
-        if keys:
-            dropped = self.index.drop(list(keys))
-            if dropped:
-                self._post(Dropped(keys=[e.key for e in dropped]))
-
-    def drop_all(self):
-        keys = [e.key for e in self.index.iter_entries()]
-        for i in range(0, len(keys), 10000):
-            self.drop(keys[i:i + 10000])
-
-    def count_hits(self, hits, misses):
-        self.index.count_hits(hits, misses)
-
-    def fence_device(self, dev, reason="io_error"):
-        if self.ndev < 2 or not 0 <= dev < self.ndev or dev in self.fences:
-            return False
-        self.fences[dev] = (reason, int(time.time()))
-        dropped = self.index.fence_device(dev, self.ndev, reason)
-        if dropped:
-            self._post(Dropped(keys=[e.key for e in dropped]))
-        return True
-
-    def gauges(self):
-        return self._read_gauges()
-
-    def flush(self, timeout=60.0):
-        pass
-
-    def close(self):
-        self._closed = True

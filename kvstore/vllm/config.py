@@ -30,7 +30,6 @@ class ConnectorConfig:
     load_timeout_s: float = 30.0
     max_store_blocks_per_step: int = 4096
     create: bool = True
-    index_thread: bool = True
     slot_pool: int | None = None
     data_dirs: tuple[str, ...] | None = None   # one directory per device (docs/CONFIG.md)
     admission: str = "always"       # "second_sight": store a block only when seen before
@@ -53,7 +52,7 @@ class ConnectorConfig:
         extra = dict(extra or {})
         known = {"path", "capacity", "io_mode", "queue_depth", "store_policy", "verify",
                  "durability", "staging", "load_timeout_s", "max_store_blocks_per_step", "create",
-                 "index_thread", "slot_pool", "data_dirs", "admission", "admission_window",
+                 "slot_pool", "data_dirs", "admission", "admission_window",
                  "device_eio_limit", "device_eio_window_s", "thread_cpus", "io_thread_nice"}
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -89,9 +88,6 @@ class ConnectorConfig:
         create = extra.get("create", True)
         if not isinstance(create, bool):
             raise ConfigError(f"kvstore: create={create!r} must be true or false")
-        index_thread = extra.get("index_thread", True)
-        if not isinstance(index_thread, bool):
-            raise ConfigError(f"kvstore: index_thread={index_thread!r} must be true or false")
         thread_cpus = parse_cpus(extra.get("thread_cpus"))
         return cls(
             path=os.path.abspath(os.path.expanduser(path)),
@@ -105,7 +101,6 @@ class ConnectorConfig:
             load_timeout_s=seconds("load_timeout_s", 30.0),
             max_store_blocks_per_step=integer("max_store_blocks_per_step", 4096, 1, 1 << 20),
             create=create,
-            index_thread=index_thread,
             slot_pool=None if extra.get("slot_pool") is None
             else integer("slot_pool", None, 1, 1 << 24),
             data_dirs=_data_dirs(extra.get("data_dirs")),

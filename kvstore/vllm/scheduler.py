@@ -24,7 +24,7 @@ from kvstore._keytable import KeySet, keys_with_packed, make_keys
 from kvstore._seenfilter import SeenFilter
 from kvstore.errors import KVStoreError
 from kvstore.lookup.events import AnnounceBatch, Committed, Counted, Dropped, Evicted, Failed
-from kvstore.lookup.table import ServingIndex, SyncServingIndex
+from kvstore.lookup.table import ServingIndex
 from kvstore.vllm.config import ConnectorConfig, block_key
 from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob
 from kvstore.vllm.metrics import DEVICE_FAILED, KVStoreStats
@@ -55,6 +55,9 @@ class InflightStore:
 
 class KVStoreScheduler:
     """Per-engine scheduler-side state of the connector (see module docstring)."""
+
+    # The index it builds (`kvstore bench connector`'s baseline sets its synchronous one).
+    index_class = ServingIndex
 
     def __init__(self, cfg: ConnectorConfig, layout, vllm_config, events_enabled: bool,
                  group_kinds: list[tuple[str, int]] | None = None):
@@ -89,14 +92,11 @@ class KVStoreScheduler:
         cap = self.store.geometry.num_slots
         pool = cfg.slot_pool or min(max(16, 4 * per_step), max(1, cap // 8))
         try:
-            if cfg.index_thread:
-                self.index = ServingIndex(
-                    self.store, pool_target=pool,
-                    announce=self._announce_events if events_enabled else None,
-                    probe_devices=cfg.io_mode, thread_cpus=cfg.thread_cpus,
-                    evicted_keys=events_enabled)
-            else:
-                self.index = SyncServingIndex(self.store, probe_devices=cfg.io_mode)
+            self.index = self.index_class(
+                self.store, pool_target=pool,
+                announce=self._announce_events if events_enabled else None,
+                probe_devices=cfg.io_mode, thread_cpus=cfg.thread_cpus,
+                evicted_keys=events_enabled)
         except BaseException:
             self.store.close()
             raise
@@ -471,9 +471,9 @@ class KVStoreScheduler:
         second-sight admission filters them. Returns the request's store cursor: a walk
         the limit cut short resumes after its last block in a later step."""
         adm = self._admission
-        # packed unless admission filters keys, or the synchronous baseline reserves
-        # its slots by key on this thread anyway
-        packed = adm is None and self.cfg.index_thread
+        # packed unless admission filters keys, or the index reserves slots by key
+        # (`packed_stores`: the bench's synchronous baseline)
+        packed = adm is None and self.index.packed_stores
         stop = min(stop, len(blocks))
         # The walk plans what the slot pool can take, no more: when the pool is short
         # (the index thread is behind), the rest of the range is dropped, as `take`

@@ -171,17 +171,24 @@ def test_store_keys_of_a_job_with_made_keys_and_packed_blocks():
 
 
 @pytest.mark.parametrize("index_thread", [True, False])
-def test_packed_stores_are_hits_after_a_restart_on_both_index_designs(tmp_path, index_thread):
-    """Stored packed, committed (by the index thread, or on the step thread with
-    `index_thread: false`, the synchronous baseline the bench compares), and after a
-    restart every block loads and matches."""
+def test_packed_stores_are_hits_after_a_restart_on_both_index_designs(tmp_path, monkeypatch,
+                                                                      index_thread):
+    """Stored (packed by the index thread, or by key on the step thread with the
+    synchronous index the bench's baseline runs), committed, and after a restart every
+    block loads and matches."""
+    from kvstore.bench.sync_index import SyncServingIndex
+    from kvstore.vllm.scheduler import KVStoreScheduler
+    if not index_thread:
+        monkeypatch.setattr(KVStoreScheduler, "index_class", SyncServingIndex)
     ps = prompts(73, 3, 5 * BS + 7)
-    extra = {"index_thread": index_thread}
-    with kv_harness(tmp_path / "store", extra=extra) as h:
+    with kv_harness(tmp_path / "store") as h:
+        ix = h.scheduler_connector.scheduler.index
+        assert isinstance(ix, SyncServingIndex) != index_thread
+        assert ix.packed_stores == index_thread
         h.run(ps, max_tokens=1)
         settle(h)
         assert conn_stats(h)["stored_blocks"] == 15
-    with kv_harness(tmp_path / "store", extra=extra) as h:
+    with kv_harness(tmp_path / "store") as h:
         before = dict(h.stats)
         h.run(ps, max_tokens=1)
         settle(h)

@@ -14,7 +14,8 @@ from kvstore._keytable import KeyTable
 from kvstore.store.disk import DiskStore, SlotRef
 from kvstore.format.layout import Layout
 from kvstore.lookup.events import Committed, Counted, Evicted, Failed
-from kvstore.lookup.table import ServingIndex, SyncServingIndex
+from kvstore.bench.sync_index import SyncServingIndex
+from kvstore.lookup.table import ServingIndex
 
 BB = 4096
 LAYOUT = Layout(model="serving", dtype="float16", block_size=16, block_bytes=BB, num_layers=1,
@@ -240,7 +241,7 @@ def test_a_walk_that_follows_slot_runs_finds_what_the_table_holds():
 def test_plans_over_vllm_block_lists_give_block_ids_on_every_path(tmp_path, path):
     """The scheduler hands `plan_new` vLLM's KVCacheBlock list; every path returns block
     ids (ints), also the LMDB walk used while the table is built and by the synchronous
-    index (`index_thread: false`)."""
+    index (the bench's baseline)."""
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     st = make(tmp_path, 32)
     ix = SyncServingIndex(st) if path == "sync" else ServingIndex(st, pool_target=4)

@@ -19,9 +19,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 LAYER = "model.layers.{}.self_attn.attn"
 
 
-def _vllm_config(tmp_path, *, parallel: dict | None = None, store=None):
+def _vllm_config(tmp_path, *, parallel: dict | None = None, store=None, extra: dict | None = None):
     """A real VllmConfig of the tiny test model (2 KV heads, head_dim 16, fp16), with a
-    kvstore kv_transfer_config over `store` when given."""
+    kvstore kv_transfer_config over `store` (and `extra` kv_connector_extra_config keys)
+    when given."""
     from vllm.config import (
         CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig,
     )
@@ -35,7 +36,7 @@ def _vllm_config(tmp_path, *, parallel: dict | None = None, store=None):
     if parallel:
         kw["parallel_config"] = ParallelConfig(**parallel)
     if store is not None:
-        kw["kv_transfer_config"] = KVTransferConfig(**kv_config(store))
+        kw["kv_transfer_config"] = KVTransferConfig(**kv_config(store, **(extra or {})))
     vc = VllmConfig(model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16",
                                              seed=0, max_model_len=1024),
                     cache_config=CacheConfig(block_size=16), device_config=DeviceConfig("cpu"),
@@ -61,6 +62,31 @@ def _kv_cache_config(*group_specs):
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     groups = [KVCacheGroupSpec([LAYER.format(i)], spec) for i, spec in enumerate(group_specs)]
     return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+# ------------------------------------------------------------------ unknown keys
+
+@pytest.mark.parametrize("key", ["index_thread", "capcity"])
+def test_index_thread_is_refused_at_start_as_any_unknown_key(tmp_path, key):
+    """`index_thread` is no key of the connector (its index thread always runs; the
+    synchronous index is the bench's baseline only): both roles refuse it before opening
+    the store, with the message any unknown key (here a misspelt `capacity`) gets."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvstore.vllm.connector import KVStoreConnector
+    store = tmp_path / "store"
+    vc = _vllm_config(tmp_path, store=store, extra={key: False})
+    before = open_fds()
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError) as ei:
+            KVStoreConnector(vc, role, _kv_cache_config(_full()))
+        msg = str(ei.value)
+        assert msg.startswith(f"kvstore: unknown kv_connector_extra_config key(s) ['{key}']; "
+                              "valid keys: ["), msg
+        assert msg.endswith("] (see docs/CONFIG.md)"), msg
+        assert "'index_thread'" not in msg.split("valid keys:")[1], msg
+    assert not store.exists()
+    assert not open_fds() - before
 
 
 # ------------------------------------------------------------------ context parallelism
