@@ -155,7 +155,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     check_environment()
     out = os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        fail(f"cannot create the output directory {out} ({exc.strerror}); name a writable directory")
     with tempfile.TemporaryDirectory(prefix="kvstore-wheel-") as tmp:
         wheels = [build_liburing(out, tmp, args.rebuild_liburing), build_kvstore(out, tmp)]
     for w in wheels:
