@@ -74,6 +74,7 @@ import numpy as np
 
 from kvstore.bench.io_bench import (Fio, MultiDirFio, MultiDirThreads, OneThread, _parse_dirs,
                                      drop_page_cache)
+from kvstore.bench.plotting import size_panels
 from kvstore.errors import BenchmarkFailed, ConfigError, MissingDependency
 from kvstore.format.layout import format_size, parse_size
 
@@ -977,37 +978,20 @@ def _per_device_lines(per_device: dict, labels: dict) -> list[str]:
 
 def plot(out: dict, path: str) -> None:
     """Bar charts (one panel per metric, grouped by block size) saved as PNG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def value(b, s, field):
+        v = out["results"][b].get(s, {}).get(field)
+        if v is None and field == "cpu_s_per_gb":
+            v = out.get("details", {}).get(b, {}).get(s, {}).get("cpu_s_per_gb")
+        return v
 
     sizes = list(out["results"])
-    systems = [s for s in SYSTEMS if any(s in out["results"][b] for b in sizes)]
-    colors = {"kvstore": "#1f77b4", "vllm_fs": "#ff7f0e", "one_thread": "#7f7f7f", "fio": "#2ca02c"}
-    panels = [("store_gbps", "store GB/s"), ("load_gbps", "load GB/s"),
-              ("cpu_s_per_gb", "CPU s per GB moved"), ("prefix_load_p99_ms", "prefix load p99 ms\n(under stores)")]
-    fig, axes = plt.subplots(1, 4, figsize=(14, 3.6))
-    x = np.arange(len(sizes))
-    w = 0.8 / len(systems)
-    for ax, (field, title) in zip(axes, panels):
-        for i, s in enumerate(systems):
-            vals = []
-            for b in sizes:
-                r = out["results"][b].get(s, {})
-                v = r.get(field)
-                if v is None and field == "cpu_s_per_gb":
-                    v = out.get("details", {}).get(b, {}).get(s, {}).get("cpu_s_per_gb")
-                vals.append(v if v is not None else 0.0)
-            ax.bar(x + (i - (len(systems) - 1) / 2) * w, vals, w, label=LABELS[s], color=colors[s])
-        ax.set_xticks(x, [format_size(int(b)).replace(".0", "") for b in sizes])
-        ax.set_title(title, fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(systems), fontsize=9, frameon=False)
     c = out["config"]
-    fig.suptitle(f"kvstore vs vLLM {c['vllm_version']} fs tier vs 1 thread vs fio "
-                 f"({'O_DIRECT' if c['o_direct'] else 'page cache'}, QD {c['queue_depth']}, "
-                 f"{format_size(c['size'])} per system)", fontsize=10)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    size_panels(
+        path, sizes, [s for s in SYSTEMS if any(s in out["results"][b] for b in sizes)], value,
+        [("store_gbps", "store GB/s"), ("load_gbps", "load GB/s"),
+         ("cpu_s_per_gb", "CPU s per GB moved"), ("prefix_load_p99_ms", "prefix load p99 ms\n(under stores)")],
+        LABELS, {"kvstore": "#1f77b4", "vllm_fs": "#ff7f0e", "one_thread": "#7f7f7f", "fio": "#2ca02c"},
+        f"kvstore vs vLLM {c['vllm_version']} fs tier vs 1 thread vs fio "
+        f"({'O_DIRECT' if c['o_direct'] else 'page cache'}, QD {c['queue_depth']}, "
+        f"{format_size(c['size'])} per system)",
+        figsize=(14, 3.6))

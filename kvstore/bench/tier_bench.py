@@ -55,6 +55,7 @@ import uuid
 import numpy as np
 
 from kvstore.bench.io_bench import drop_page_cache
+from kvstore.bench.plotting import size_panels
 from kvstore.errors import ConfigError, KVStoreError, MissingDependency
 from kvstore.format.layout import format_size, parse_size
 
@@ -505,35 +506,16 @@ def format_table(out: dict) -> str:
 def plot(out: dict, path: str) -> None:
     """Store and load GB/s per chunk size for kvstore, the fs tier and fio (grouped bars,
     one panel each), saved as PNG (matplotlib)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sizes = list(out["results"])
-    systems = [s for s in SYSTEMS if any(s in out["results"][b] for b in sizes)]
-    colors = {"kvstore": "#1f77b4", "fs": "#ff7f0e", "fio": "#2ca02c"}
-    labels = {"kvstore": "kvstore tier", "fs": "vLLM fs tier", "fio": "fio (device)"}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    x = np.arange(len(sizes))
-    w = 0.8 / max(1, len(systems))
-    for ax, (field, title) in zip(axes, (("store_gbps", "store GB/s"),
-                                         ("load_gbps", "load GB/s"))):
-        for i, s in enumerate(systems):
-            vals = [out["results"][b].get(s, {}).get(field) or 0.0 for b in sizes]
-            bars = ax.bar(x + (i - (len(systems) - 1) / 2) * w, vals, w, label=labels[s],
-                          color=colors[s])
-            ax.bar_label(bars, fmt="%.2f", fontsize=7)
-        ax.set_xticks(x, [format_size(int(b)).replace(".0", "") for b in sizes])
-        ax.set_xlabel("chunk")
-        ax.set_title(title, fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
-    handles, lbls = axes[0].get_legend_handles_labels()
-    fig.legend(handles, lbls, loc="lower center", ncol=len(systems), fontsize=9, frameon=False)
     c = out["config"]
     durable = "fdatasync'd" if c["kvstore_durability"] != "none" else "not synced"
-    fig.suptitle(f"kvstore tier ({durable}) vs vLLM {c['vllm_version']} fs tier (never synced) "
-                 f"vs fio, behind TieringOffloadingManager ({format_size(c['size'])} stored, "
-                 f"{format_size(c['primary'])} promoted)", fontsize=9)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    size_panels(
+        path, sizes, [s for s in SYSTEMS if any(s in out["results"][b] for b in sizes)],
+        lambda b, s, field: out["results"][b].get(s, {}).get(field),
+        [("store_gbps", "store GB/s"), ("load_gbps", "load GB/s")],
+        {"kvstore": "kvstore tier", "fs": "vLLM fs tier", "fio": "fio (device)"},
+        {"kvstore": "#1f77b4", "fs": "#ff7f0e", "fio": "#2ca02c"},
+        f"kvstore tier ({durable}) vs vLLM {c['vllm_version']} fs tier (never synced) "
+        f"vs fio, behind TieringOffloadingManager ({format_size(c['size'])} stored, "
+        f"{format_size(c['primary'])} promoted)",
+        figsize=(10, 3.8), title_size=9, legend_room=0.08, bar_values=True, xlabel="chunk")
