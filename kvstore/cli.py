@@ -253,6 +253,8 @@ def warmup_cmd(store, prompts, from_store, model, capacity, engine_arg, all_bloc
     """Fill STORE before traffic arrives, from PROMPTS (or --all of another store).
 
     Blocks already in STORE are skipped, so an interrupted run resumes where it stopped.
+    A tier store (`KVStoreTier`'s) is filled only with --from-store SRC --all: its chunk keys
+    cannot be computed from prompts.
     Existing entries are never evicted unless --allow-evict-hotter is given.
     """
     from kvstore.tools import warmup as warmup_mod
