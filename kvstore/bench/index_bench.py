@@ -202,6 +202,8 @@ def run(entries: list[int] | None = None, json_out: bool = False, tmpdir: str | 
     (unless json_out: then nothing is printed, the caller prints the JSON), return
     {"results": [...]}. Scratch indexes go under tmpdir (default: a temp dir) and are removed."""
     entries = list(entries or DEFAULT_ENTRIES)
+    if tmpdir:
+        os.makedirs(tmpdir, exist_ok=True)   # --dir names where to work; make it
     root = tempfile.mkdtemp(prefix="kvstore-index-bench-", dir=tmpdir)
     results = []
     try:

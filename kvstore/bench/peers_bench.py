@@ -753,7 +753,7 @@ def _one_size(ctx, systems, rounds, samples, log):
 
 
 def targets(results: dict) -> list[dict]:
-    """The issue's targets, each with the numbers it was judged on."""
+    """The peer targets (docs/benchmarks.md), each with the numbers it was judged on."""
     out = []
 
     def add(name, ok, detail):

@@ -108,6 +108,8 @@ def run(lengths=(1000, 4000, 8000), samples: int = 3, model: str = "demo", pytho
                                       f"ensure_model({model!r}, {model_dir!r})"], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"could not make the {model} model: {r.stderr[-2000:]}")
+    if directory:
+        os.makedirs(directory, exist_ok=True)   # --dir names where to work; make it
     workdir = tempfile.mkdtemp(prefix="kvstore-bench-ttft-", dir=directory)
     rng = random.Random(99)
     prompts = {n: [words(spec, n, rng) for _ in range(samples)] for n in lengths}

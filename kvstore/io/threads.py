@@ -58,15 +58,53 @@ def parse_cpus(value, allowed: Iterable[int] | None = None) -> frozenset[int] | 
     else:
         raise ConfigError(f"kvstore: thread_cpus={value!r} must be a CPU list string "
                           f"(\"6-7\"), a CPU id (6) or a list of CPU ids ([6, 7])")
-    allowed = frozenset(os.sched_getaffinity(0) if allowed is None else allowed)
-    where = (f"this process may run on {format_cpus(allowed)} (its affinity mask: taskset, "
-             f"cgroup cpusets). Pick CPUs from those, or leave thread_cpus unset")
+    allowed = frozenset(usable_cpus() if allowed is None else allowed)
+    where = (f"this process may run on {format_cpus(allowed)} (the CPUs online in its cgroup "
+             f"cpuset and taskset mask). Pick CPUs from those, or leave thread_cpus unset")
     if not cpus:
         raise ConfigError(f"kvstore: thread_cpus={value!r} names no CPU; {where}")
     if not cpus <= allowed:
         raise ConfigError(f"kvstore: thread_cpus={value!r} names CPUs this process may not "
                           f"run on ({format_cpus(cpus - allowed)}); {where}")
     return frozenset(cpus)
+
+
+def usable_cpus() -> frozenset[int]:
+    """The CPUs a thread of this process may be placed on: the online CPUs its cgroup
+    cpuset allows. That can be more than the calling thread's affinity mask, which a
+    runtime may have narrowed: vLLM's CPU build binds its step thread to the forward's
+    OpenMP cores, and a thread started there inherits that mask. The kernel answers: a
+    throwaway thread asks for every CPU and reads back what it was given (sched_setaffinity
+    keeps the CPUs the cpuset allows)."""
+    out: list[frozenset[int]] = []
+
+    def probe():
+        try:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        except OSError:
+            pass
+        out.append(frozenset(os.sched_getaffinity(0)))
+    t = threading.Thread(target=probe, name="kvstore-cpu-probe", daemon=True)
+    t.start()
+    t.join()
+    return out[0] if out else frozenset(os.sched_getaffinity(0))
+
+
+def spare_cpus() -> frozenset[int] | None:
+    """The CPUs this process was started with, less the calling thread's affinity mask, or
+    None when none is left. Called on vLLM's CPU build from the worker's step thread, whose
+    mask is the forward's OpenMP cores: what is left is what vLLM reserved for the engine
+    core and, with a KV connector configured, for the connector's threads
+    (`VLLM_CPU_NUM_OF_RESERVED_CPU`, vllm/utils/ompmultiprocessing.py). "Started with" is
+    the parent's mask (vLLM's engine core, which vLLM does not bind) within the cpuset
+    (`usable_cpus`): an operator's `taskset` on `vllm serve` still holds."""
+    usable = usable_cpus()
+    try:
+        usable &= frozenset(os.sched_getaffinity(os.getppid()))
+    except OSError:
+        pass                        # the parent is gone or not ours to read: the cpuset
+    spare = usable - frozenset(os.sched_getaffinity(0))
+    return spare or None
 
 
 def format_cpus(cpus: Iterable[int]) -> str:

@@ -45,6 +45,24 @@ def kvstore_threads(server: VLLMServer) -> dict[str, list[int]]:
     return out
 
 
+def thread_cpus(server: VLLMServer, *names: str) -> dict[str, list[frozenset[int]]]:
+    """{kernel thread name: [CPU affinity of each such thread]} of the threads named
+    `names` in the server's processes (its session), from the kernel."""
+    out: dict[str, list[frozenset[int]]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) != server.proc.pid:
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    name = f.read().strip()
+                if name in names:
+                    out.setdefault(name, []).append(frozenset(os.sched_getaffinity(int(tid))))
+        except OSError:                  # the process or a thread ended meanwhile
+            continue
+    return out
+
+
 class Serve:
     """Starts servers for one test; each is stopped (or found dead) at the end."""
 

@@ -14,7 +14,8 @@ import time
 import pytest
 
 from e2e_util import (
-    MAX_TOKENS, assert_same, copy_store, fsck, info, kvstore_cli, kvstore_threads, wait_stored,
+    MAX_TOKENS, assert_same, copy_store, fsck, info, kvstore_cli, kvstore_threads, thread_cpus,
+    wait_stored,
 )
 from kvstore.store import shared
 from kvstore.drivers.client import Client
@@ -58,6 +59,35 @@ def test_identical_tokens_cold_and_after_restart(serve, workload, reference, tmp
     assert m1.get("vllm:kvstore_load_failures_total", 0) == 0
     code, doc = fsck(store, "--deep")
     assert code == 0 and doc["findings"] == [], doc
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core beside the forward's")
+def test_kvstore_threads_run_on_the_core_vllm_reserves_not_the_forwards(serve, workload, tmp_path):
+    """vLLM's CPU build binds the forward to all cores but the reserved ones
+    (VLLM_CPU_NUM_OF_RESERVED_CPU=1 on this host: the engine core's and the connector's);
+    kvstore's worker threads run there, beside the forward, at the process's priority, and
+    never on the forward's cores; what they store is loaded back after a restart, token for
+    token (the reference is this binding's own first run: a forward on fewer cores may sum
+    in another order)."""
+    store = tmp_path / "store"
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    with serve.running(store, env=env) as s:
+        first = replay(s, workload)
+        wait_stored(s)
+        cpus = thread_cpus(s, "VLLM::Worker", "kvs-io-rank0")
+        nices = kvstore_threads(s)["kvs-io-rank0"]
+        base = os.getpriority(os.PRIO_PROCESS, s.proc.pid)
+    forward = set().union(*cpus["VLLM::Worker"])
+    io = set().union(*cpus["kvs-io-rank0"])
+    assert forward and io, cpus
+    assert not io & forward, f"kvstore's I/O thread shares the forward's cores: {cpus}"
+    assert nices == [base], (base, nices)
+    with serve.running(store, env=env) as s:
+        m0 = s.metrics()
+        got = replay(s, workload)
+        m1 = s.metrics()
+    assert hits(m0, m1)[0] > 0, "nothing came from disk after the restart"
+    assert_same(first, got, workload)
 
 
 def _written_slots(store) -> list[tuple[str, int]]:
