@@ -470,26 +470,33 @@ def bench_ttft(lengths, samples, model, python, systems, directory, plot_path, a
 @click.option("--concurrency", default=4, show_default=True, type=click.IntRange(1, 1024), help="Requests in flight.")
 @click.option("--prefix-len", default=1000, show_default=True, type=click.IntRange(32, 10**6))
 @click.option("--suffix-len", default=32, show_default=True, type=click.IntRange(1, 10**6))
-@click.option("--num-prefixes", default=6, show_default=True, type=click.IntRange(1, 10**5))
+@click.option("--num-prefixes", default=10, show_default=True, type=click.IntRange(1, 10**5))
 @click.option("--num-prompts", default=24, show_default=True, type=click.IntRange(1, 10**6))
 @click.option("--output-len", default=16, show_default=True, type=click.IntRange(1, 10**5))
-@click.option("--documents", default=6, show_default=True, type=click.IntRange(1, 10**4))
+@click.option("--documents", default=10, show_default=True, type=click.IntRange(1, 10**4))
 @click.option("--doc-tokens", default=1000, show_default=True, type=click.IntRange(32, 10**6))
 @click.option("--questions", default=2, show_default=True, type=click.IntRange(1, 1000),
               help="Questions per document in the doc_qa query round.")
 @click.option("--no-reuse-prompts", default=8, show_default=True, type=click.IntRange(1, 10**6))
 @click.option("--kv-fraction", default=0.5, show_default=True, type=float,
-              help="vLLM's KV cache as a fraction of the reused working set (never below one "
-                   "request of max_model_len, which vLLM needs to start).")
+              help="vLLM's KV cache as a fraction of the reused working set (never below the "
+                   "requests in flight at max_model_len each).")
 @click.option("--capacity", default="8G", show_default=True, help="kvstore's store capacity.")
 @click.option("--restart-all", is_flag=True, help="Run the restart phase for every system, not only kvstore.")
+@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float32"]),
+              help="The dtype the servers run the model in (float32 computes several times faster on "
+                   "a CPU without bf16 instructions).")
+@click.option("--rounds", default=1, show_default=True, type=click.IntRange(1, 20),
+              help="Run the systems this many times, interleaved (vllm, kvstore, ..., vllm, kvstore, "
+                   "...; each round on new stores), and report every number's median: one phase "
+                   "of a few seconds moves by 10% between identical runs on a small host.")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="Where stores and server logs live (default: a temporary directory).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None)
 @click.option("--json", "as_json", is_flag=True)
 def bench_serve(systems, workloads, model, python, concurrency, prefix_len, suffix_len, num_prefixes,
                 num_prompts, output_len, documents, doc_tokens, questions, no_reuse_prompts, kv_fraction,
-                capacity, restart_all, directory, plot_path, as_json):
+                capacity, restart_all, dtype, rounds, directory, plot_path, as_json):
     """A real `vllm serve` under concurrent load past its KV cache: vLLM alone, with kvstore, the ceiling."""
     from kvstore.bench import serve_bench
     say = (lambda *a: click.echo(*a, err=True)) if as_json else click.echo
@@ -500,7 +507,8 @@ def bench_serve(systems, workloads, model, python, concurrency, prefix_len, suff
                               num_prefixes=num_prefixes, num_prompts=num_prompts, output_len=output_len,
                               documents=documents, doc_tokens=doc_tokens, questions=questions,
                               no_reuse_prompts=no_reuse_prompts, kv_fraction=kv_fraction, capacity=capacity,
-                              restart_all=restart_all, directory=directory, say=say)
+                              restart_all=restart_all, rounds=rounds, dtype=dtype,
+                              directory=directory, say=say)
     except (KVStoreError, OSError, RuntimeError) as exc:
         _fail(exc)
     click.echo(json.dumps(out, indent=2) if as_json else serve_bench.format_table(out))

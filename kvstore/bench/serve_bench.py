@@ -44,6 +44,7 @@ import math
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import tempfile
 import threading
@@ -55,7 +56,8 @@ from kvstore.bench.ttft_bench import _pct, tier_systems  # the same percentile, 
 from kvstore.errors import ConfigError
 from kvstore.drivers.client import Client
 from kvstore.drivers.models import SPECS, default_dir, words
-from kvstore.drivers.server import ServerStartError, VLLMServer, connector_config, engine_python
+from kvstore.drivers.server import (ServerStartError, VLLMServer, advised_binding_env, connector_config,
+                                    engine_python)
 
 WORKLOADS = ("prefix_repetition", "doc_qa", "no_reuse")
 SYSTEMS = ("vllm", "kvstore", "ceiling", "offload-fs", "kvstore-tier")
@@ -63,6 +65,10 @@ SYSTEMS = ("vllm", "kvstore", "ceiling", "offload-fs", "kvstore-tier")
 PERSISTENT = ("kvstore", "offload-fs", "kvstore-tier")
 PHASES = ("cold", "warm", "restart")
 BLOCK = 32
+# The dtypes a server may run the model in, and their bytes per KV element. bf16 is how
+# models are served on GPUs; a CPU without bf16 instructions computes float32 several times
+# faster (the 176M demo model here: ~26 prompt tokens/s in bf16 on one core).
+DTYPES = {"bfloat16": 2, "float32": 4}
 
 # Runs vLLM's benchmark client (vllm.benchmarks.serve, what `vllm bench serve` runs) once per
 # line of JSON argv on stdin, in one process: vLLM is imported once for the whole bench.
@@ -142,7 +148,7 @@ class Bench:
     def __init__(self, *, model: str, python: str | None, workdir: str, concurrency: int,
                  prefix_len: int, suffix_len: int, num_prefixes: int, num_prompts: int, output_len: int,
                  documents: int, doc_tokens: int, questions: int, no_reuse_prompts: int,
-                 kv_fraction: float, capacity: str, workloads=WORKLOADS, say=print):
+                 kv_fraction: float, capacity: str, workloads=WORKLOADS, dtype: str = "bfloat16", say=print):
         self.python, self.engine = engine_python(python)
         self.spec = SPECS[model]
         self.model_dir = default_dir(model)
@@ -161,9 +167,11 @@ class Bench:
         self.no_reuse_prompts = no_reuse_prompts
         self.capacity = capacity
         # The KV cache: `kv_fraction` of the largest reused working set (shared prefixes,
-        # documents), never less than one request of max_model_len (vLLM refuses to start
-        # below that). Requests in flight that do not fit wait or are preempted, as on a
-        # real server with a cache too small (`preemptions` counts them).
+        # documents), never less than the requests in flight at max_model_len each, as an
+        # operator sizes a server for its concurrency: below that vLLM alone preempts and
+        # recomputes requests over and over (`preemptions` counts them; 0.02 req/s and a
+        # 72 s TTFT p50 with the demo model at half of one request per slot), which measures
+        # the thrashing, not the prefix cache the tier extends.
         # max_model_len: the longest prompt of the workloads run, plus the output.
         longest = max(prefix_len + suffix_len, doc_tokens + 64 if "doc_qa" in workloads else 0)
         self.max_model_len = longest + output_len + 2 * BLOCK
@@ -171,20 +179,22 @@ class Bench:
         self.working_set = max([reused[w] for w in workloads if w in reused] or [prefix_len])
         need = concurrency * (self.max_model_len + BLOCK)
         # (+1: vLLM keeps block 0 as its null block; it holds no tokens)
-        self.small_blocks = math.ceil(max(kv_fraction * self.working_set, self.max_model_len) / BLOCK) + 1
+        self.small_blocks = math.ceil(max(kv_fraction * self.working_set, need) / BLOCK) + 1
         # The ceiling holds every prompt token of the largest workload, plus the requests in flight.
         every = max(num_prefixes * prefix_len + num_prompts * (suffix_len + output_len),
                     documents * doc_tokens + documents * (1 + questions) * (64 + output_len),
                     no_reuse_prompts * (prefix_len + suffix_len + output_len))
         self.ceiling_blocks = math.ceil((every + need) / BLOCK) + 16
         spec = self.spec
-        self.kv_bytes_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2   # bf16
+        self.dtype = dtype
+        self.kv_bytes_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * DTYPES[dtype]
         rng = random.Random(5)
         self.docs = [words(spec, doc_tokens, rng) for _ in range(documents)]
         self.doc_questions = [[words(spec, rng.randint(24, 48), rng) for _ in range(1 + questions)]
                               for _ in range(documents)]
         self.bench_client = BenchClient(self.python, os.path.join(workdir, "vllm-bench-client.log"))
         self.n_server = 0
+        self.round = 0
         self.engine_ids: dict[str, str] = {}    # OffloadingConnector config -> its engine id
 
     # -- servers ------------------------------------------------------------------------
@@ -192,16 +202,29 @@ class Bench:
         # vLLM's OffloadingConnector with a CPU primary tier and a disk tier behind it, as
         # `kvstore bench ttft` runs it (on the CPU build through kvstore.vllm.cpu_offload):
         # vLLM's fs tier ("offload-fs") and kvstore's KVStoreTier ("kvstore-tier").
-        tiers = tier_systems(self.workdir, self.engine)
+        # Each round's stores start empty (a directory per round).
+        base = self.round_dir()
+        tiers = tier_systems(base, self.engine)
         tiers["kvstore-tier"]["kv_connector_extra_config"]["secondary_tiers"][0]["capacity"] = self.capacity
         return {
             "vllm": (None, self.small_blocks),
-            "kvstore": (connector_config(os.path.join(self.workdir, "kvstore"), capacity=self.capacity),
+            "kvstore": (connector_config(os.path.join(base, "kvstore"), capacity=self.capacity),
                         self.small_blocks),
             "ceiling": (None, self.ceiling_blocks),
             "offload-fs": (tiers["fs-tier"], self.small_blocks),
             "kvstore-tier": (tiers["kvstore-tier"], self.small_blocks),
         }
+
+    def round_dir(self) -> str:
+        path = os.path.join(self.workdir, f"round{self.round}")
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def next_round(self) -> None:
+        """The next round of systems, on stores of its own; the last round's are removed
+        (each store preallocates its capacity)."""
+        shutil.rmtree(self.round_dir(), ignore_errors=True)
+        self.round += 1
 
     def server(self, kv, blocks) -> VLLMServer:
         self.n_server += 1
@@ -212,15 +235,13 @@ class Bench:
             # behind; the bench removes it (`close`). The same id across a restart.
             kv = {**kv, "engine_id": self.engine_ids.setdefault(
                 json.dumps(kv, sort_keys=True), f"kvstore-bench-serve-{uuid.uuid4().hex[:12]}")}
-        env = {}
-        if "CPU build" in self.engine and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
-            # The CPU build reserves one more core per rank for any KV connector (NIXL's
-            # threads), which on a small host leaves the engine core none and makes its busy
-            # loop preempt the forward. Every system gets vLLM alone's binding (one core per
-            # rank reserved) so the bench compares the connectors, not the bindings; the
-            # kvstore connector's start-up warning tells users the same.
-            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
-        return VLLMServer(model=self.model_dir, python=self.python, kv_transfer_config=kv, dtype="bfloat16",
+        # The CPU build reserves one more core per rank for any KV connector (NIXL's
+        # threads), which on a small host leaves the engine core none and makes its busy
+        # loop preempt the forward. Every system gets vLLM alone's binding (one core per
+        # rank reserved) so the bench compares the connectors, not the bindings; the
+        # kvstore connector's start-up warning tells users the same.
+        env = advised_binding_env(self.engine)
+        return VLLMServer(model=self.model_dir, python=self.python, kv_transfer_config=kv, dtype=self.dtype,
                           log_path=os.path.join(self.workdir, f"server-{self.n_server}.log"),
                           max_model_len=self.max_model_len, kv_cache_gib=gib, env=env,
                           extra_args=["--num-gpu-blocks-override", str(blocks)])
@@ -326,9 +347,10 @@ class Bench:
 
 def run(*, model: str = "demo", python: str | None = None, systems: list[str] | None = None,
         workloads: list[str] | None = None, concurrency: int = 4, prefix_len: int = 1000,
-        suffix_len: int = 32, num_prefixes: int = 6, num_prompts: int = 24, output_len: int = 16,
-        documents: int = 6, doc_tokens: int = 1000, questions: int = 2, no_reuse_prompts: int = 8,
-        kv_fraction: float = 0.5, capacity: str = "8G", restart_all: bool = False,
+        suffix_len: int = 32, num_prefixes: int = 10, num_prompts: int = 24, output_len: int = 16,
+        documents: int = 10, doc_tokens: int = 1000, questions: int = 2, no_reuse_prompts: int = 8,
+        kv_fraction: float = 0.5, capacity: str = "8G", restart_all: bool = False, rounds: int = 1,
+        dtype: str = "bfloat16",
         directory: str | None = None, say=print) -> dict:
     systems = list(systems or SYSTEMS)
     workloads = list(workloads or WORKLOADS)
@@ -336,6 +358,8 @@ def run(*, model: str = "demo", python: str | None = None, systems: list[str] | 
     if bad:
         raise ConfigError(f"unknown {bad}: --systems from {', '.join(SYSTEMS)}, --workloads from "
                           f"{', '.join(WORKLOADS)}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     if model not in SPECS:
         raise ConfigError(f"--model {model}: choose one of {', '.join(SPECS)}")
     if num_prompts < num_prefixes:
@@ -352,10 +376,10 @@ def run(*, model: str = "demo", python: str | None = None, systems: list[str] | 
                   suffix_len=suffix_len, num_prefixes=num_prefixes, num_prompts=num_prompts,
                   output_len=output_len, documents=documents, doc_tokens=doc_tokens, questions=questions,
                   no_reuse_prompts=no_reuse_prompts, kv_fraction=kv_fraction, capacity=capacity,
-                  workloads=workloads, say=say)
+                  workloads=workloads, dtype=dtype, say=say)
         out = {"engine": b.engine,
-               "model": f"{model} ({b.spec.approx_params() / 1e6:.0f}M parameters, bf16, random weights)",
-               "config": {"concurrency": concurrency, "prefix_len": prefix_len, "suffix_len": suffix_len,
+               "model": f"{model} ({b.spec.approx_params() / 1e6:.0f}M parameters, {dtype}, random weights)",
+               "config": {"concurrency": concurrency, "dtype": dtype, "prefix_len": prefix_len, "suffix_len": suffix_len,
                           "num_prefixes": num_prefixes, "num_prompts": num_prompts, "output_len": output_len,
                           "documents": documents, "doc_tokens": doc_tokens, "questions": questions,
                           "no_reuse_prompts": no_reuse_prompts, "block_size": BLOCK,
@@ -367,9 +391,20 @@ def run(*, model: str = "demo", python: str | None = None, systems: list[str] | 
         say(f"kvstore bench serve: {b.engine}; model {out['model']}; KV cache {(b.small_blocks - 1) * BLOCK} "
             f"tokens for a working set of {b.working_set} (ceiling: {(b.ceiling_blocks - 1) * BLOCK}); "
             f"{concurrency} requests in flight")
-        for name in systems:
-            restart = restart_all or name in PERSISTENT
-            b.run_system(name, workloads, restart, out)
+        per_round = []
+        for r in range(rounds):
+            if r:
+                b.next_round()
+                say(f"round {r + 1} of {rounds}")
+            got = {"workloads": {w: {} for w in workloads}, "not_started": out["not_started"]}
+            for name in systems:
+                if name not in out["not_started"]:
+                    b.run_system(name, workloads, restart_all or name in PERSISTENT, got)
+            per_round.append(got["workloads"])
+        out["workloads"] = per_round[0] if rounds == 1 else median_of(per_round)
+        if rounds > 1:
+            out["rounds"] = per_round
+        out["config"]["rounds"] = rounds
         out["targets"] = targets(out)
         out["seconds"] = round(time.perf_counter() - t0)
     except BaseException:
@@ -386,6 +421,29 @@ def run(*, model: str = "demo", python: str | None = None, systems: list[str] | 
 # lower": vLLM alone's own phases spread 4.2-5.3 req/s in one run of the tiny model on the
 # 2-core machine (docs/benchmarks.md).
 NO_REUSE_NOISE = 0.05
+
+
+def median_of(per_round: list[dict]) -> dict:
+    """{workload: {system: {phase: row}}} whose every number is the median over the rounds
+    (of the rounds that ran that phase); other values from the first round."""
+    out: dict = {}
+    for wl in per_round[0]:
+        for name in {n: 0 for ro in per_round for n in ro.get(wl, {})}:
+            for ph in {p: 0 for ro in per_round for p in ro.get(wl, {}).get(name, {})}:
+                rows = [ro[wl][name][ph] for ro in per_round if ph in ro.get(wl, {}).get(name, {})]
+                row = {}
+                for key, v in rows[0].items():
+                    vals = [r.get(key) for r in rows]
+                    if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vals):
+                        m = statistics.median(vals)
+                        row[key] = round(m) if all(isinstance(x, int) for x in vals) else m
+                    elif all(x is None or isinstance(x, (int, float)) for x in vals) and \
+                            any(x is not None for x in vals):
+                        row[key] = statistics.median(x for x in vals if x is not None)
+                    else:
+                        row[key] = v
+                out.setdefault(wl, {}).setdefault(name, {})[ph] = row
+    return out
 
 
 def _get(out, wl, system, phase, key):
@@ -447,7 +505,8 @@ def format_table(out: dict) -> str:
     cfg = out["config"]
     lines = [f"kvstore bench serve: {out['engine']}, model {out['model']}, {cfg['concurrency']} requests in flight, "
              f"KV cache {cfg['kv_cache_tokens']} tokens for a reused working set of {cfg['working_set_tokens']} "
-             f"({cfg['working_set_over_kv_cache']}x); ceiling KV cache {cfg['ceiling_kv_cache_tokens']} tokens",
+             f"({cfg['working_set_over_kv_cache']}x); ceiling KV cache {cfg['ceiling_kv_cache_tokens']} tokens"
+             + (f"; medians of {cfg['rounds']} interleaved rounds" if cfg.get("rounds", 1) > 1 else ""),
              f"{'workload':<18}{'system':<13}{'phase':<8}{'req/s':>7}{'out tok/s':>10}{'TTFT p50':>9}{'p90':>7}"
              f"{'p99':>7}{'ITL p50':>8}{'p99':>6}{'prompt tok':>11}{'vLLM hit':>9}{'conn hit':>9}"]
     for wl, systems in out["workloads"].items():

@@ -25,7 +25,7 @@ import time
 from kvstore.errors import ConfigError
 from kvstore.drivers.client import Client
 from kvstore.drivers.models import SERVE_DTYPE, SPECS, ModelSpec, default_dir
-from kvstore.drivers.server import VLLMServer, connector_config, engine_python
+from kvstore.drivers.server import VLLMServer, advised_binding_env, connector_config, engine_python
 from kvstore.drivers.workload import Workload
 
 
@@ -61,13 +61,15 @@ def prepare_model(model: str, python: str) -> tuple[str, ModelSpec]:
                           f"model made by kvstore (kvstore-model.json); use one of {', '.join(SPECS)}") from None
 
 
-def serve_and_replay(label: str, workload: Workload, *, model_dir: str, store: str, python: str,
+def serve_and_replay(label: str, workload: Workload, *, model_dir: str, store: str, python: str, engine: str,
                      log_path: str, capacity: str, kv_cache_gib: int, max_tokens: int,
                      concurrency: int = 4, say=print) -> dict:
     """One server lifetime: start, replay the workload, read the metrics, stop."""
     t0 = time.perf_counter()
+    # As the connector advises at start: on vLLM's CPU build one reserved core, where the
+    # engine core and kvstore's threads run beside the forward.
     server = VLLMServer(model=model_dir, log_path=log_path, python=python, kv_cache_gib=kv_cache_gib,
-                        max_model_len=16384, dtype=SERVE_DTYPE,
+                        max_model_len=16384, dtype=SERVE_DTYPE, env=advised_binding_env(engine),
                         kv_transfer_config=connector_config(store, capacity=capacity))
     with server:
         start_s = time.perf_counter() - t0
@@ -130,7 +132,7 @@ def run(store: str | None = None, model: str = "demo", python: str | None = None
         model_dir, spec = prepare_model(model, python)
         wl = Workload(spec, documents=documents, doc_tokens=doc_tokens, questions=questions,
                       sessions=sessions, turns=turns)
-        kw = dict(model_dir=model_dir, store=store, python=python, capacity=capacity,
+        kw = dict(model_dir=model_dir, store=store, python=python, engine=engine, capacity=capacity,
                   kv_cache_gib=kv_cache_gib, max_tokens=max_tokens, concurrency=concurrency, say=say)
         cold = serve_and_replay("first run", wl, log_path=os.path.join(workdir, "server-1.log"), **kw)
         warm = serve_and_replay("after restart", wl, log_path=os.path.join(workdir, "server-2.log"), **kw)

@@ -64,6 +64,16 @@ def _python_can_serve(python: str) -> tuple[bool, str]:
     return False, "no vLLM installed"
 
 
+def advised_binding_env(engine: str, ranks: int = 1) -> dict[str, str]:
+    """The server environment the kvstore connector advises on vLLM's CPU build
+    (`kvstore.vllm.connector.cpu_reservation_advice`): one reserved core per rank, as vLLM
+    alone binds, where the engine core and kvstore's threads share it. Empty on other
+    engines, or where the caller's environment already chose the reservation."""
+    if "CPU build" not in engine or "VLLM_CPU_NUM_OF_RESERVED_CPU" in os.environ:
+        return {}
+    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(ranks)}
+
+
 def engine_python(explicit: str | None = None) -> tuple[str, str]:
     """The Python whose vLLM serves here, and a description of that engine.
 
