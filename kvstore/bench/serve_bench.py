@@ -224,6 +224,7 @@ class Bench:
         """The next round of systems, on stores of its own; the last round's are removed
         (each store preallocates its capacity)."""
         shutil.rmtree(self.round_dir(), ignore_errors=True)
+        self.remove_shared_regions()
         self.round += 1
 
     def server(self, kv, blocks) -> VLLMServer:
@@ -337,12 +338,17 @@ class Bench:
             finally:
                 s.stop()
 
-    def close(self):
-        self.bench_client.close()
+    def remove_shared_regions(self) -> None:
+        """The CPU tiers' shared regions (/dev/shm/vllm_offload_ID*) of every server so far."""
         for engine_id in self.engine_ids.values():
             for path in glob.glob(f"/dev/shm/vllm_offload_{engine_id}*"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
+        self.engine_ids.clear()
+
+    def close(self):
+        self.bench_client.close()
+        self.remove_shared_regions()
 
 
 def run(*, model: str = "demo", python: str | None = None, systems: list[str] | None = None,
@@ -358,6 +364,8 @@ def run(*, model: str = "demo", python: str | None = None, systems: list[str] | 
     if bad:
         raise ConfigError(f"unknown {bad}: --systems from {', '.join(SYSTEMS)}, --workloads from "
                           f"{', '.join(WORKLOADS)}")
+    if rounds < 1:
+        raise ConfigError(f"--rounds {rounds}: run at least one round")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     if model not in SPECS:
@@ -391,6 +399,10 @@ def run(*, model: str = "demo", python: str | None = None, systems: list[str] | 
         say(f"kvstore bench serve: {b.engine}; model {out['model']}; KV cache {(b.small_blocks - 1) * BLOCK} "
             f"tokens for a working set of {b.working_set} (ceiling: {(b.ceiling_blocks - 1) * BLOCK}); "
             f"{concurrency} requests in flight")
+        if (b.small_blocks - 1) * BLOCK >= b.working_set:
+            say(f"kvstore bench serve: note: vLLM's KV cache must hold the {concurrency} requests in "
+                f"flight, and that holds the whole reused working set ({b.working_set} tokens): no "
+                f"tier has anything to add; raise --num-prefixes / --documents or lower --concurrency")
         per_round = []
         for r in range(rounds):
             if r:
@@ -425,7 +437,9 @@ NO_REUSE_NOISE = 0.05
 
 def median_of(per_round: list[dict]) -> dict:
     """{workload: {system: {phase: row}}} whose every number is the median over the rounds
-    (of the rounds that ran that phase); other values from the first round."""
+    (of the rounds that ran that phase; a count: the lower middle one, a value seen);
+    other values from the first round. Each number's median is its own: a row's
+    requests / duration_s need not equal its throughput_rps."""
     out: dict = {}
     for wl in per_round[0]:
         for name in {n: 0 for ro in per_round for n in ro.get(wl, {})}:
@@ -435,8 +449,8 @@ def median_of(per_round: list[dict]) -> dict:
                 for key, v in rows[0].items():
                     vals = [r.get(key) for r in rows]
                     if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vals):
-                        m = statistics.median(vals)
-                        row[key] = round(m) if all(isinstance(x, int) for x in vals) else m
+                        ints = all(isinstance(x, int) for x in vals)
+                        row[key] = statistics.median_low(vals) if ints else statistics.median(vals)
                     elif all(x is None or isinstance(x, (int, float)) for x in vals) and \
                             any(x is not None for x in vals):
                         row[key] = statistics.median(x for x in vals if x is not None)

@@ -60,7 +60,7 @@ def parse_cpus(value, allowed: Iterable[int] | None = None) -> frozenset[int] | 
                           f"(\"6-7\"), a CPU id (6) or a list of CPU ids ([6, 7])")
     allowed = frozenset(usable_cpus() if allowed is None else allowed)
     where = (f"this process may run on {format_cpus(allowed)} (the CPUs online in its cgroup "
-             f"cpuset and taskset mask). Pick CPUs from those, or leave thread_cpus unset")
+             f"cpuset). Pick CPUs from those, or leave thread_cpus unset")
     if not cpus:
         raise ConfigError(f"kvstore: thread_cpus={value!r} names no CPU; {where}")
     if not cpus <= allowed:
@@ -80,7 +80,9 @@ def usable_cpus() -> frozenset[int]:
 
     def probe():
         try:
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+            # every CPU id the kernel could have (configured, online or not); the
+            # kernel keeps those the cpuset allows
+            os.sched_setaffinity(0, range(os.sysconf("SC_NPROCESSORS_CONF")))
         except OSError:
             pass
         out.append(frozenset(os.sched_getaffinity(0)))
@@ -88,23 +90,6 @@ def usable_cpus() -> frozenset[int]:
     t.start()
     t.join()
     return out[0] if out else frozenset(os.sched_getaffinity(0))
-
-
-def spare_cpus() -> frozenset[int] | None:
-    """The CPUs this process was started with, less the calling thread's affinity mask, or
-    None when none is left. Called on vLLM's CPU build from the worker's step thread, whose
-    mask is the forward's OpenMP cores: what is left is what vLLM reserved for the engine
-    core and, with a KV connector configured, for the connector's threads
-    (`VLLM_CPU_NUM_OF_RESERVED_CPU`, vllm/utils/ompmultiprocessing.py). "Started with" is
-    the parent's mask (vLLM's engine core, which vLLM does not bind) within the cpuset
-    (`usable_cpus`): an operator's `taskset` on `vllm serve` still holds."""
-    usable = usable_cpus()
-    try:
-        usable &= frozenset(os.sched_getaffinity(os.getppid()))
-    except OSError:
-        pass                        # the parent is gone or not ours to read: the cpuset
-    spare = usable - frozenset(os.sched_getaffinity(0))
-    return spare or None
 
 
 def format_cpus(cpus: Iterable[int]) -> str:
@@ -133,7 +118,11 @@ def make_thread(target: Callable, name: str, cpus: frozenset[int] | None = None,
     def run():
         _name_native(name)
         if cpus:
-            os.sched_setaffinity(0, cpus)
+            try:
+                os.sched_setaffinity(0, cpus)
+            except OSError as exc:      # (the cpuset shrank since the CPUs were chosen)
+                log.warning("kvstore: thread %s cannot run on CPUs %s (%s); it runs where "
+                            "the process may", name, format_cpus(cpus), exc)
         if nice > 0:
             _lower_priority(nice)
         target(*args)

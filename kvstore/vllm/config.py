@@ -6,14 +6,13 @@ the same way on the scheduler and on every worker, so they agree without talking
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
 from kvstore.format.layout import Layout, block_key, parse_size  # noqa: F401 (block_key: re-exported)
-from kvstore.io.threads import format_cpus, io_nice, parse_cpus, spare_cpus
+from kvstore.io.threads import io_nice, parse_cpus
 
 DETERMINISTIC_HASHES = ("sha256", "sha256_cbor")
 
@@ -47,24 +46,6 @@ class ConnectorConfig:
         to. It decides `io_thread_nice`'s default (kvstore.io.threads.io_nice)."""
         from vllm.platforms import current_platform
         return bool(current_platform.is_cpu())
-
-    def placed(self) -> "ConnectorConfig":
-        """This configuration with kvstore's threads placed for the calling thread's
-        process: unchanged where `thread_cpus` is set or vLLM's forward does not run on the
-        host. On vLLM's CPU build, called from the worker's step thread (bound to the
-        forward's OpenMP cores), the threads go to the CPUs vLLM left out of the forward
-        (`spare_cpus`: those it reserves for the engine core and, with a KV connector, for the
-        connector's threads). A store's checksums and writes then never take a forward core.
-        With no CPU left out, nothing changes."""
-        if self.thread_cpus is not None or not self.forward_on_host():
-            return self
-        spare = spare_cpus()
-        if spare is None:
-            return self
-        logging.getLogger("kvstore.vllm").info(
-            "kvstore: threads run on CPUs %s, beside the forward's (thread_cpus unset)",
-            format_cpus(spare))
-        return replace(self, thread_cpus=spare)
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "ConnectorConfig":

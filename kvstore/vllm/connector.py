@@ -73,8 +73,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from kvstore.vllm.worker import KVStoreWorker
         _request_amx_permission()
-        self.worker = KVStoreWorker(self.cfg.placed(), self.layout, self._rank, kv_caches,
-                                    self._kv_cache_config)
+        self.worker = KVStoreWorker(self.cfg, self.layout, self._rank, kv_caches, self._kv_cache_config)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -199,26 +198,22 @@ def cpu_reservation_advice(forward_on_host: bool, omp_bind: str | None, reserved
     The CPU build binds the forward's OpenMP threads to every core of a NUMA node but a
     reserved few, where the engine core process (the scheduler, spinning while it waits for
     the workers) and the API server run: one core per rank, and one more per rank whenever a
-    KV connector is configured (for NIXL's transfer threads). kvstore's worker threads run on
-    the reserved cores (`ConnectorConfig.placed`), but they wait on io_uring and spend their
-    CPU in C, a sliver of a core: one reserved core per rank, shared with the engine core, is
-    enough, and the second one is taken from the forward. On a small host (2 cores, one rank)
-    the two reservations would take every core, so vLLM reserves none: the forward takes both,
-    the engine core's busy loop and kvstore's threads preempt its OpenMP threads, and request
+    KV connector is configured (for NIXL's transfer threads). kvstore's threads need no core
+    of their own (its I/O thread waits on io_uring and runs in C), so that second core only
+    leaves the forward one core short; on a small host (2 cores, one rank) nothing is left
+    reserved, the engine core's busy loop preempts the forward's OpenMP threads, and request
     throughput drops to a third of vLLM alone's (docs/benchmarks.md, `kvstore bench serve`).
-    Setting VLLM_CPU_NUM_OF_RESERVED_CPU to the ranks per node restores vLLM alone's binding,
-    with kvstore's threads on the reserved core. Nothing to say on GPUs, with a binding of the
-    operator's own, or with the variable set."""
+    Setting VLLM_CPU_NUM_OF_RESERVED_CPU to the ranks per node restores vLLM alone's binding.
+    Nothing to say on GPUs, with a binding of the operator's own, or with the variable set."""
     if not forward_on_host or (omp_bind or "auto") != "auto" or reserved_env not in (None, ""):
         return None
     return (f"kvstore: vLLM's CPU build reserves {2 * ranks} core(s) for its engine core when a KV "
             f"connector is configured ({ranks} for the engine, {ranks} for a NIXL connector's "
-            "threads); kvstore's threads share the engine's reserved core and need no second one, "
-            "and the extra reservation takes cores from the forward (on a host with 2 cores per "
-            "NUMA node it leaves none reserved: the engine core's busy loop then preempts the "
-            "forward, a third of vLLM alone's throughput). Set "
+            "threads); kvstore needs none, and the extra reservation takes cores from the "
+            "forward (on a host with 2 cores per NUMA node it leaves none for the engine core, "
+            "whose busy loop then preempts the forward: a third of vLLM alone's throughput). Set "
             f"VLLM_CPU_NUM_OF_RESERVED_CPU={ranks} in the server's environment to bind as vLLM "
-            "alone does, with kvstore's threads on the reserved core.")
+            "alone does.")
 
 
 def _warn_cpu_reservation(vllm_config) -> None:

@@ -239,7 +239,6 @@ class KVStoreTier(SecondaryTierManager):
                  backpressure_detector=None, **options: Any):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         cfg, events, locality = parse_tier_options(options)
-        cfg = cfg.placed()      # on vLLM's CPU build: threads beside the forward's cores
         self.cfg = cfg
         self.locality = Locality(locality) if locality is not None else None
         self._events_on = bool(events and offloading_spec.kv_events_config.enable_kv_cache_events)

@@ -396,7 +396,7 @@ def test_plugin_registers_connector_by_name_idempotently(tmp_path):
     ({"path": "/x", "thread_cpus": -1}, ["thread_cpus", "a CPU id (6)"]),
     ({"path": "/x", "thread_cpus": []}, ["thread_cpus", "may run on"]),
     ({"path": "/x", "thread_cpus": "100000"}, ["thread_cpus", "100000", "may not run on",
-                                                "affinity mask"]),
+                                                "cgroup cpuset"]),
     ({"path": "/x", "io_thread_nice": 20}, ["io_thread_nice", "0..19"]),
     ({"path": "/x", "io_thread_nice": True}, ["io_thread_nice", "0..19"]),
 ], ids=["io_mode", "unknown-key", "missing-path", "empty-path", "store_policy",
