@@ -399,7 +399,7 @@ def run(*, model: str = "demo", python: str | None = None, systems: list[str] | 
         say(f"kvstore bench serve: {b.engine}; model {out['model']}; KV cache {(b.small_blocks - 1) * BLOCK} "
             f"tokens for a working set of {b.working_set} (ceiling: {(b.ceiling_blocks - 1) * BLOCK}); "
             f"{concurrency} requests in flight")
-        if (b.small_blocks - 1) * BLOCK >= b.working_set:
+        if (b.small_blocks - 1) * BLOCK >= b.working_set and set(workloads) - {"no_reuse"}:
             say(f"kvstore bench serve: note: vLLM's KV cache must hold the {concurrency} requests in "
                 f"flight, and that holds the whole reused working set ({b.working_set} tokens): no "
                 f"tier has anything to add; raise --num-prefixes / --documents or lower --concurrency")
@@ -420,9 +420,11 @@ def run(*, model: str = "demo", python: str | None = None, systems: list[str] | 
         out["targets"] = targets(out)
         out["seconds"] = round(time.perf_counter() - t0)
     except BaseException:
-        say(f"kvstore bench serve: logs kept in {workdir}")
+        say(f"kvstore bench serve: logs kept in {workdir} (its stores removed)")
         if b:
             b.close()
+        for path in glob.glob(os.path.join(workdir, "round*")):
+            shutil.rmtree(path, ignore_errors=True)     # each store preallocates --capacity
         raise
     b.close()
     shutil.rmtree(workdir, ignore_errors=True)
@@ -517,9 +519,10 @@ def format_row(r: dict) -> str:
 
 def format_table(out: dict) -> str:
     cfg = out["config"]
+    reuse = (f"for a reused working set of {cfg['working_set_tokens']} ({cfg['working_set_over_kv_cache']}x)"
+             if set(out["workloads"]) - {"no_reuse"} else "(no reuse)")
     lines = [f"kvstore bench serve: {out['engine']}, model {out['model']}, {cfg['concurrency']} requests in flight, "
-             f"KV cache {cfg['kv_cache_tokens']} tokens for a reused working set of {cfg['working_set_tokens']} "
-             f"({cfg['working_set_over_kv_cache']}x); ceiling KV cache {cfg['ceiling_kv_cache_tokens']} tokens"
+             f"KV cache {cfg['kv_cache_tokens']} tokens {reuse}; ceiling KV cache {cfg['ceiling_kv_cache_tokens']} tokens"
              + (f"; medians of {cfg['rounds']} interleaved rounds" if cfg.get("rounds", 1) > 1 else ""),
              f"{'workload':<18}{'system':<13}{'phase':<8}{'req/s':>7}{'out tok/s':>10}{'TTFT p50':>9}{'p90':>7}"
              f"{'p99':>7}{'ITL p50':>8}{'p99':>6}{'prompt tok':>11}{'vLLM hit':>9}{'conn hit':>9}"]
