@@ -84,7 +84,10 @@ def bench_index(entries, directory, as_json):
     if small:   # its reserve/commit rounds take CHAIN slots of a full index
         _fail(KVStoreError(f"--entries: each size must be at least {index_bench.CHAIN:,} "
                            f"(the bench commits {index_bench.CHAIN:,} keys at a time), got {small}"))
-    out = index_bench.run(sizes, as_json, directory)
+    try:
+        out = index_bench.run(sizes, as_json, directory)
+    except (KVStoreError, OSError) as exc:
+        _fail(exc)
     if as_json:
         click.echo(json.dumps(out, indent=2))
 

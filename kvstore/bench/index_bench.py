@@ -10,11 +10,11 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
+from kvstore.bench import scratch_dir
 from kvstore.index.core import Index
 from kvstore.index.maint import bulk_load
 
@@ -202,9 +202,7 @@ def run(entries: list[int] | None = None, json_out: bool = False, tmpdir: str | 
     (unless json_out: then nothing is printed, the caller prints the JSON), return
     {"results": [...]}. Scratch indexes go under tmpdir (default: a temp dir) and are removed."""
     entries = list(entries or DEFAULT_ENTRIES)
-    if tmpdir:
-        os.makedirs(tmpdir, exist_ok=True)   # --dir names where to work; make it
-    root = tempfile.mkdtemp(prefix="kvstore-index-bench-", dir=tmpdir)
+    root = scratch_dir("kvstore-index-bench-", tmpdir)
     results = []
     try:
         if not json_out:

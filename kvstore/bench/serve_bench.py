@@ -46,12 +46,12 @@ import random
 import shutil
 import statistics
 import subprocess
-import tempfile
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+from kvstore.bench import scratch_dir
 from kvstore.bench.ttft_bench import _pct, tier_systems  # the same percentile, tier configs
 from kvstore.errors import ConfigError
 from kvstore.drivers.client import Client
@@ -236,11 +236,8 @@ class Bench:
             # behind; the bench removes it (`close`). The same id across a restart.
             kv = {**kv, "engine_id": self.engine_ids.setdefault(
                 json.dumps(kv, sort_keys=True), f"kvstore-bench-serve-{uuid.uuid4().hex[:12]}")}
-        # The CPU build reserves one more core per rank for any KV connector (NIXL's
-        # threads), which on a small host leaves the engine core none and makes its busy
-        # loop preempt the forward. Every system gets vLLM alone's binding (one core per
-        # rank reserved) so the bench compares the connectors, not the bindings; the
-        # kvstore connector's start-up warning tells users the same.
+        # Every system gets vLLM alone's binding, so the bench compares the connectors, not
+        # the bindings (`advised_binding_env`).
         env = advised_binding_env(self.engine)
         return VLLMServer(model=self.model_dir, python=self.python, kv_transfer_config=kv, dtype=self.dtype,
                           log_path=os.path.join(self.workdir, f"server-{self.n_server}.log"),
@@ -374,9 +371,7 @@ def run(*, model: str = "demo", python: str | None = None, systems: list[str] | 
         raise ConfigError(f"--num-prompts ({num_prompts}) must be at least --num-prefixes ({num_prefixes})")
     if not 0 < kv_fraction <= 1:
         raise ConfigError(f"--kv-fraction must be in (0, 1], got {kv_fraction}")
-    if directory:
-        os.makedirs(directory, exist_ok=True)   # --dir names where to work; make it
-    workdir = tempfile.mkdtemp(prefix="kvstore-bench-serve-", dir=directory)
+    workdir = scratch_dir("kvstore-bench-serve-", directory)
     t0 = time.perf_counter()
     b = None
     try:
@@ -432,8 +427,8 @@ def run(*, model: str = "demo", python: str | None = None, systems: list[str] | 
 
 
 # How far below vLLM alone kvstore's no-reuse throughput may measure and still count as "not
-# lower": vLLM alone's own phases spread 4.2-5.3 req/s in one run of the tiny model on the
-# 2-core machine (docs/benchmarks.md).
+# lower": in one `--rounds 3` run of the tiny model on the 2-core machine, vLLM alone's own
+# phases spread 6.21-6.66 req/s (docs/benchmarks.md, "No reuse, interleaved").
 NO_REUSE_NOISE = 0.05
 
 
@@ -442,20 +437,19 @@ def median_of(per_round: list[dict]) -> dict:
     (of the rounds that ran that phase; a count: the lower middle one, a value seen);
     other values from the first round. Each number's median is its own: a row's
     requests / duration_s need not equal its throughput_rps."""
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
     out: dict = {}
     for wl in per_round[0]:
-        for name in {n: 0 for ro in per_round for n in ro.get(wl, {})}:
-            for ph in {p: 0 for ro in per_round for p in ro.get(wl, {}).get(name, {})}:
+        for name in dict.fromkeys(n for ro in per_round for n in ro.get(wl, {})):
+            for ph in dict.fromkeys(p for ro in per_round for p in ro.get(wl, {}).get(name, {})):
                 rows = [ro[wl][name][ph] for ro in per_round if ph in ro.get(wl, {}).get(name, {})]
                 row = {}
                 for key, v in rows[0].items():
-                    vals = [r.get(key) for r in rows]
-                    if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vals):
+                    vals = [r.get(key) for r in rows if r.get(key) is not None]
+                    if vals and all(number(x) for x in vals):
                         ints = all(isinstance(x, int) for x in vals)
                         row[key] = statistics.median_low(vals) if ints else statistics.median(vals)
-                    elif all(x is None or isinstance(x, (int, float)) for x in vals) and \
-                            any(x is not None for x in vals):
-                        row[key] = statistics.median(x for x in vals if x is not None)
                     else:
                         row[key] = v
                 out.setdefault(wl, {}).setdefault(name, {})[ph] = row
@@ -467,8 +461,9 @@ def _get(out, wl, system, phase, key):
 
 
 def targets(out: dict) -> dict:
-    """The serving targets (docs/benchmarks.md), measured: kvstore after a restart against vLLM alone in steady
-    state (its warm phase) and the ceiling with the whole working set cached (warm)."""
+    """The serving targets (docs/benchmarks.md), measured: kvstore after a restart against
+    vLLM alone in steady state (its warm phase) and the ceiling with the whole working set
+    cached (warm)."""
     res = {}
 
     def ratio(a, b):

@@ -27,10 +27,10 @@ import glob
 import os
 import random
 import shutil
-import tempfile
 import time
 import uuid
 
+from kvstore.bench import scratch_dir
 from kvstore.errors import ConfigError
 from kvstore.drivers.client import Client
 from kvstore.drivers.models import SPECS, default_dir, words
@@ -108,9 +108,7 @@ def run(lengths=(1000, 4000, 8000), samples: int = 3, model: str = "demo", pytho
                                       f"ensure_model({model!r}, {model_dir!r})"], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"could not make the {model} model: {r.stderr[-2000:]}")
-    if directory:
-        os.makedirs(directory, exist_ok=True)   # --dir names where to work; make it
-    workdir = tempfile.mkdtemp(prefix="kvstore-bench-ttft-", dir=directory)
+    workdir = scratch_dir("kvstore-bench-ttft-", directory)
     rng = random.Random(99)
     prompts = {n: [words(spec, n, rng) for _ in range(samples)] for n in lengths}
     # A KV cache that holds the longest prompt, not all of them: later prompts evict earlier

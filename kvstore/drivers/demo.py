@@ -66,8 +66,7 @@ def serve_and_replay(label: str, workload: Workload, *, model_dir: str, store: s
                      concurrency: int = 4, say=print) -> dict:
     """One server lifetime: start, replay the workload, read the metrics, stop."""
     t0 = time.perf_counter()
-    # As the connector advises at start: on vLLM's CPU build one reserved core, where the
-    # engine core and kvstore's threads run beside the forward.
+    # As the connector advises at start: on vLLM's CPU build one reserved core per rank.
     server = VLLMServer(model=model_dir, log_path=log_path, python=python, kv_cache_gib=kv_cache_gib,
                         max_model_len=16384, dtype=SERVE_DTYPE, env=advised_binding_env(engine),
                         kv_transfer_config=connector_config(store, capacity=capacity))

@@ -67,8 +67,10 @@ def _python_can_serve(python: str) -> tuple[bool, str]:
 def advised_binding_env(engine: str, ranks: int = 1) -> dict[str, str]:
     """The server environment the kvstore connector advises on vLLM's CPU build
     (`kvstore.vllm.connector.cpu_reservation_advice`): one reserved core per rank, as vLLM
-    alone binds, where the engine core and kvstore's threads share it. Empty on other
-    engines, or where the caller's environment already chose the reservation."""
+    alone binds. The build otherwise reserves one more per rank for any KV connector
+    (NIXL's threads), which on a small host leaves the engine core none, and its busy
+    loop then preempts the forward. Empty on other engines, or where the caller's
+    environment already chose the reservation."""
     if "CPU build" not in engine or "VLLM_CPU_NUM_OF_RESERVED_CPU" in os.environ:
         return {}
     return {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(ranks)}
