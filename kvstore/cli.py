@@ -594,7 +594,10 @@ def bench_soak(requests, interval, capacity, second_sight, admission_window, see
 @click.option("--json", "as_json", is_flag=True)
 def demo(store, capacity, model, python, documents, doc_tokens, sessions, concurrency, sequential, simulated,
          as_json):
-    """Serve chats + shared documents with a real `vllm serve`, restart it, replay: hits from disk."""
+    """Serve chats + shared documents with a real `vllm serve`, restart it, replay: hits from disk.
+
+    On vLLM's CPU build each server runs with VLLM_CPU_NUM_OF_RESERVED_CPU=1 (unless the
+    environment sets it), as the connector advises: the forward keeps all cores but one."""
     if simulated:
         from kvstore.drivers import demo_simulated as sim
         try:
