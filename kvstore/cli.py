@@ -191,7 +191,10 @@ class _FsckCommand(click.Command):
 @click.option("--queue-depth", default=32, show_default=True, type=click.IntRange(1, 4096))
 @click.option("--staging", default="256M", show_default=True,
               help="Staging memory for --deep reads (shared by two rings per rank, each double-buffered).")
-def fsck_cmd(store, deep, repair, rebuild_index, as_json, quiet, queue_depth, staging):
+@click.option("--model", default=None,
+              help="Also check that the store's KV is this model's: a model directory or a hub name "
+                   "in the local cache (its weights and config files against the store's model identity).")
+def fsck_cmd(store, deep, repair, rebuild_index, as_json, quiet, queue_depth, staging, model):
     """Check STORE (and with --repair, fix it), like e2fsck.
 
     Read-only by default and safe while engines use the store. Exit status (a sum, as
@@ -208,7 +211,7 @@ def fsck_cmd(store, deep, repair, rebuild_index, as_json, quiet, queue_depth, st
     try:
         rep = fsck_mod.fsck(store, deep=deep, repair=repair, rebuild_index=rebuild_index,
                             progress=_progress_factory(not quiet), staging_bytes=staging_bytes,
-                            queue_depth=queue_depth)
+                            queue_depth=queue_depth, model=model)
     except KeyboardInterrupt:
         click.echo("kvstore fsck: cancelled", err=True)
         sys.exit(fsck_mod.EXIT_CANCELLED)

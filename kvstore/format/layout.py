@@ -19,6 +19,7 @@ from kvstore._slotfile import ALIGN, HEADER_SIZE
 from kvstore.errors import (
     ConfigError, CorruptStore, DataDirError, LayoutMismatch, StoreNotFound,
 )
+from kvstore.format.identity import ModelIdentity
 
 FORMAT_VERSION = 1
 FINGERPRINT = "kvstore.json"
@@ -234,7 +235,10 @@ def device_dirs(store_dir: str, doc: dict) -> list[str]:
 
 
 def write_fingerprint(store_dir: str, layout: Layout, geometry: StoreGeometry, capacity_bytes: int,
-                      data_dirs: list[str] | None = None) -> None:
+                      data_dirs: list[str] | None = None, identity=None) -> None:
+    """Write kvstore.json (atomically: a temporary file, fsync, rename). `identity` (a
+    `kvstore.format.identity.ModelIdentity`) is recorded as "model_identity"; a store
+    made by a tool without a model has none."""
     from kvstore import __version__
     doc = {
         "format_version": FORMAT_VERSION,
@@ -248,6 +252,8 @@ def write_fingerprint(store_dir: str, layout: Layout, geometry: StoreGeometry, c
     }
     if data_dirs:   # absent for single-directory stores (their fingerprint is unchanged)
         doc["data_dirs"] = list(data_dirs)
+    if identity is not None:
+        doc["model_identity"] = identity.to_dict()
     path = os.path.join(store_dir, FINGERPRINT)
     tmp = path + ".tmp"
     try:
@@ -300,12 +306,21 @@ def read_fingerprint(store_dir: str) -> tuple[Layout, StoreGeometry, dict]:
         geo = StoreGeometry(int(doc["num_slots"]), int(doc["slot_size"]), int(doc["slots_per_file"]),
                             len(dirs) if dirs else 1)
         int(doc["capacity_bytes"])
+        if "model_identity" in doc:
+            ModelIdentity.from_dict(doc["model_identity"])
     except (KeyError, TypeError, ValueError, ConfigError) as exc:
         raise CorruptStore(f"{path} is damaged ({exc}); restore it from the store's creator") from None
     if (geo.num_slots < 1 or geo.slots_per_file < 1 or geo.slot_size != layout.slot_size
             or geo.num_slots < geo.num_devices):
         raise CorruptStore(f"{path} is inconsistent (slot geometry does not match the layout)")
     return layout, geo, doc
+
+
+def stored_identity(doc: dict) -> ModelIdentity | None:
+    """The model identity a store's kvstore.json records (None: made without one, by a
+    tool or an older kvstore; `read_fingerprint` has validated it)."""
+    d = doc.get("model_identity")
+    return None if d is None else ModelIdentity.from_dict(d)
 
 
 def check_layout(store_dir: str, stored: Layout, wanted: Layout) -> None:

@@ -24,12 +24,15 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from kvstore._slotfile import SlotFile
-from kvstore.errors import ConfigError, KVStoreError, StoreClosed, StoreNotFound
+from kvstore.errors import (
+    ConfigError, KVStoreError, LayoutMismatch, StoreClosed, StoreLocked, StoreNotFound,
+)
+from kvstore.format.identity import describe_differences
 from kvstore.index.core import Entry, Index
 from kvstore.store.shared import W_VALID, Lease, StoreLock
 from kvstore.format.layout import (
     Layout, StoreGeometry, check_data_dirs, check_layout, device_dirs,
-    normalize_data_dirs, parse_size, read_fingerprint, write_fingerprint,
+    normalize_data_dirs, parse_size, read_fingerprint, stored_identity, write_fingerprint,
 )
 
 from kvstore.io.iostats import create_iostats
@@ -206,12 +209,13 @@ class DiskStore:
 
     @classmethod
     def create(cls, path: str, layout: Layout, capacity, *, exist_ok: bool = False,
-               data_dirs=None, **kw) -> "DiskStore":
+               data_dirs=None, identity=None, **kw) -> "DiskStore":
         """Create a store of `capacity` bytes (int or '500G') for `layout`, then open it.
 
         `data_dirs` (one directory per device) spreads the slots over several devices:
         slot s on data_dirs[s % len(data_dirs)]; the index, fingerprint and lock stay in
-        `path`. Each data directory must exist and have room for its share."""
+        `path`. Each data directory must exist and have room for its share. `identity`
+        (a `ModelIdentity`) is recorded in the fingerprint."""
         capacity_bytes = parse_size(capacity)
         dirs = normalize_data_dirs(data_dirs)
         geo = StoreGeometry.for_capacity(capacity_bytes, layout, len(dirs) if dirs else 1)
@@ -264,7 +268,7 @@ class DiskStore:
             Index(os.path.join(path, "index"), geo.num_slots, create=True).close()
             # The fingerprint is written last: a store without it is not a store, so a
             # crash during creation leaves nothing that could be opened half-made.
-            write_fingerprint(path, layout, geo, capacity_bytes, dirs)
+            write_fingerprint(path, layout, geo, capacity_bytes, dirs, identity)
             for d, ddir in enumerate(dirs or []):
                 if ddir != path:
                     _write_marker(ddir, path, d, complete=True)
@@ -504,8 +508,12 @@ class DiskStore:
         return out
 
 
+ON_MODEL_CHANGE = ("reset", "refuse")
+
+
 def ensure_store(path: str, layout: Layout, capacity=None, *, io_mode: str = "direct",
-                 create: bool = True, data_dirs=None) -> str:
+                 create: bool = True, data_dirs=None, identity=None,
+                 on_model_change: str = "reset") -> str:
     """Make sure a store for `layout` exists at `path`; create it once, race-free.
 
     Every process of a serving engine (scheduler and each TP worker) calls this at start;
@@ -514,9 +522,21 @@ def ensure_store(path: str, layout: Layout, capacity=None, *, io_mode: str = "di
     without talking to each other. Refuses a store of another layout (LayoutMismatch),
     or, when `data_dirs` is given, a store over other data directories (LayoutMismatch
     naming `data_dirs`; None accepts the store's own).
+
+    With `identity` (the engine's `ModelIdentity`), a store whose recorded identity
+    differs (or that records none) never serves this engine: `on_model_change="reset"`
+    re-initialises it (`reset_store`, logged with what changed and the blocks dropped),
+    "refuse" raises LayoutMismatch naming the field. A store other engines are attached
+    to is never reset (two models on one path are refused).
     """
     path = os.path.abspath(path)
     fp = os.path.join(path, "kvstore.json")
+    if on_model_change not in ON_MODEL_CHANGE:
+        raise ConfigError(f"on_model_change={on_model_change!r} is not valid; choose one of "
+                          f"{', '.join(ON_MODEL_CHANGE)}")
+    if not os.path.lexists(fp) and os.path.isdir(path) and not os.path.islink(path):
+        with _CreateLock(path):     # a creation or re-initialisation under way ends first
+            pass
     if not os.path.lexists(fp):
         if not create:
             raise StoreNotFound(f"no kvstore store at {path} and create is false")
@@ -527,16 +547,105 @@ def ensure_store(path: str, layout: Layout, capacity=None, *, io_mode: str = "di
         if not os.path.isdir(parent):
             raise StoreNotFound(f"cannot create store {path}: parent directory {parent} does not exist")
         _safe_mkdir(path)
-        lock_fd = os.open(os.path.join(path, ".create.lock"),
-                          os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        with _CreateLock(path):
             if not os.path.lexists(fp):
-                DiskStore.create(path, layout, capacity, io_mode=io_mode, data_dirs=data_dirs).close()
-        finally:
-            os.close(lock_fd)
+                DiskStore.create(path, layout, capacity, io_mode=io_mode, data_dirs=data_dirs,
+                                 identity=identity).close()
     _check_dir(path)
-    stored, _, doc = read_fingerprint(path)
+    try:
+        stored, _, doc = read_fingerprint(path)
+    except StoreNotFound:
+        with _CreateLock(path):     # another process of the engine is re-initialising it
+            pass
+        stored, _, doc = read_fingerprint(path)
     check_layout(path, stored, layout)
     check_data_dirs(path, doc, data_dirs)
+    if identity is not None and _identity_changes(doc, identity):
+        with _CreateLock(path):     # one process of the engine resets, the others wait
+            stored, _, doc = read_fingerprint(path)
+            check_layout(path, stored, layout)
+            diffs = _identity_changes(doc, identity)
+            if diffs:
+                if on_model_change == "refuse":
+                    raise LayoutMismatch(
+                        f"store {path} holds KV of another model: {describe_differences(diffs)}; "
+                        f"refusing to serve it (on_model_change=\"refuse\"). Give this model "
+                        "another store path, delete the store, or set on_model_change to "
+                        "\"reset\" to re-initialise it.", field=f"model_identity.{diffs[0][0]}")
+                reset_store(path, layout, doc, identity, diffs, io_mode=io_mode)
     return path
+
+
+class _CreateLock:
+    """flock on STORE/.create.lock: serialises creating and re-initialising a store
+    among the processes of the engines starting on it."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(os.path.join(path, ".create.lock"),
+                          os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+    def __enter__(self):
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self.fd)
+
+
+def _identity_changes(doc: dict, identity) -> list[tuple[str, str, str]]:
+    """How the store's recorded identity differs from `identity`: (field, stored, now)."""
+    stored = stored_identity(doc)
+    if stored is None:
+        return [("model_identity", "unrecorded", identity.weights)]
+    return stored.differences(identity)
+
+
+def reset_store(path: str, layout: Layout, doc: dict, identity, diffs, *,
+                io_mode: str = "direct") -> int:
+    """Re-initialise the store at `path` for the model `identity`: every block is dropped
+    and the store is made anew with the same capacity and data directories, so nothing of
+    the old KV can be served or re-indexed (its slot files are deleted, not just
+    unindexed). Refused (StoreLocked) while any engine is attached: it serves the old
+    model. Returns the blocks dropped. The caller holds the creation lock.
+
+    Crash-safe through the creation protocol: the data directories' markers go back to
+    incomplete and kvstore.json is removed first, so a crash part way leaves a directory
+    that the next start creates anew (a store without kvstore.json is not a store)."""
+    try:
+        lock = WriterLock(path)
+    except StoreLocked as exc:
+        raise StoreLocked(
+            f"store {path} holds KV of another model ({describe_differences(diffs)}) and "
+            f"engine(s) serving that model are attached ({exc}); two models on one path are "
+            "refused: give this model another store path, or stop them first.",
+            pid=exc.pid) from None
+    try:
+        try:
+            with Index(os.path.join(path, "index"), int(doc["num_slots"]), readonly=True) as idx:
+                dropped = int(idx.stats()["used_slots"])
+        except Exception:       # noqa: BLE001 - an unreadable index loses nothing more
+            dropped = -1
+        dirs = doc.get("data_dirs")
+        for d, ddir in enumerate(dirs or []):
+            if ddir != path:
+                _write_marker(ddir, path, d, complete=False)
+        os.unlink(os.path.join(path, "kvstore.json"))
+        _fsync_dir(path)
+        _remove_unfinished_store(path)
+    finally:
+        lock.release()
+    DiskStore.create(path, layout, int(doc["capacity_bytes"]), io_mode=io_mode,
+                     data_dirs=dirs, identity=identity).close()
+    log.warning("kvstore: store %s was written by another model (%s); re-initialised it for "
+                "this one: %s block(s) dropped (on_model_change=\"reset\"; set \"refuse\" to "
+                "be refused instead)", path, describe_differences(diffs),
+                "?" if dropped < 0 else dropped)
+    return dropped
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -53,7 +53,10 @@ from kvstore.errors import (
 )
 from kvstore.index.core import Index
 from kvstore.index.maint import rebuild_index, snapshot
-from kvstore.format.layout import FINGERPRINT, device_dirs, format_size, read_fingerprint
+from kvstore.format.identity import describe_differences, model_identity
+from kvstore.format.layout import (
+    FINGERPRINT, device_dirs, format_size, read_fingerprint, stored_identity,
+)
 
 __all__ = ["fsck", "Finding", "Report", "KINDS", "format_text",
            "EXIT_CLEAN", "EXIT_CORRECTED", "EXIT_UNCORRECTED", "EXIT_OPERATIONAL",
@@ -74,6 +77,9 @@ KINDS = {
     "slot_file_missing": "a rank's slot file (or rank directory) is missing",
     "slot_file_size": "a slot file is truncated or longer than the geometry says",
     "slot_file_invalid": "a slot file is a symlink or not a regular file",
+    "model_changed": "the store's model identity differs from --model's weights or config (the "
+                     "next engine start re-initialises the store, or refuses it with "
+                     "on_model_change \"refuse\"; not repaired by fsck)",
     "device_fenced": "a device the server fenced as failed (--repair re-admits it once its "
                      "directory is back, writable and O_DIRECT-capable)",
     # pass 2: index structure
@@ -776,8 +782,13 @@ class _Check:
 
 
 def fsck(path: str, *, deep: bool = False, repair: bool = False, rebuild_index: bool = False,
-         progress=None, staging_bytes: int = DEFAULT_STAGING, queue_depth: int = 32) -> Report:
+         progress=None, staging_bytes: int = DEFAULT_STAGING, queue_depth: int = 32,
+         model: str | None = None) -> Report:
     """Check (and with repair/rebuild_index, fix) the store at `path`; returns the Report.
+
+    With `model` (a model directory or a hub name in the local cache), also checks that
+    the store's model identity still matches that model's weights and config files
+    (`check_model`).
 
     `progress(desc, total, unit)` makes a progress reporter (kvstore.tools.Progress) or is
     None for silence. Never raises for a damaged store (damage is findings); an
@@ -793,7 +804,7 @@ def fsck(path: str, *, deep: bool = False, repair: bool = False, rebuild_index: 
         if not os.path.isdir(path):
             raise StoreNotFound(f"{path} is not a directory")
         try:
-            read_fingerprint(path)
+            _, _, doc = read_fingerprint(path)
         except StoreNotFound as exc:
             rep.add("fingerprint_missing", str(exc))
             rep.error = f"{path} is not a kvstore store ({FINGERPRINT} is missing)"
@@ -802,6 +813,8 @@ def fsck(path: str, *, deep: bool = False, repair: bool = False, rebuild_index: 
             rep.add("fingerprint_invalid", str(exc))
             rep.error = f"cannot check {path} without a valid {FINGERPRINT}"
             return rep
+        if model is not None:
+            check_model(rep, doc, model)
         lock = None
         pids: list[int] = []
         if repair:
@@ -842,6 +855,23 @@ def fsck(path: str, *, deep: bool = False, repair: bool = False, rebuild_index: 
         if rep.stats.get("read_seconds"):
             rep.stats["read_gbps"] = round(rep.stats["bytes_read"] / rep.stats["read_seconds"] / 1e9, 3)
     return rep
+
+
+def check_model(rep: Report, doc: dict, model: str) -> None:
+    """Report `model_changed` when the identity the store records differs from `model`'s
+    weights or config files (the fields fsck can compute without vLLM; the vLLM settings
+    are compared by the engine at start)."""
+    stored = stored_identity(doc)
+    now, how = model_identity(model)
+    rep.stats["model_identity"] = now.to_dict()
+    if stored is None:
+        rep.add("model_changed", f"the store records no model identity (made by a tool or an "
+                f"older kvstore); {model} has weights {now.weights} (identified by {how})")
+        return
+    diffs = [(n, a, b) for n, a, b in stored.differences(now) if n in ("weights", "config")]
+    if diffs:
+        rep.add("model_changed", f"the store holds KV of {describe_differences(diffs)} ({model}, "
+                f"identified by {how}): its blocks are not this model's")
 
 
 def _refusal(path: str, pids: list[int]) -> str:

@@ -27,6 +27,7 @@ import stat
 from kvstore.store import shared
 from kvstore.store.disk import DiskStore, rank_dir, slot_file_path
 from kvstore.errors import KVStoreError
+from kvstore.format.identity import IDENTITY_ORDER
 from kvstore.format.layout import FINGERPRINT, device_dirs, format_size, read_fingerprint
 from kvstore.io.iostats import read_iostats
 
@@ -58,6 +59,8 @@ def gather(path: str) -> dict:
         "store": path,
         "format_version": doc.get("format_version"),
         "layout": layout.to_dict(),
+        # the weights and settings of the model whose KV it holds (None: made by a tool)
+        "model_identity": doc.get("model_identity"),
         "created_by": doc.get("created_by"),
         "created_at": doc.get("created_at"),
         "capacity_bytes": int(doc["capacity_bytes"]),
@@ -278,6 +281,11 @@ def format_text(info: dict) -> str:
                  f"kv_heads={L['num_kv_heads']} head_dim={L['head_dim']} tp_size={L['tp_size']} "
                  f"hash={L['hash_algo']}" + (f" kv_layout={L['kv_layout']}" if L.get("kv_layout") else "")
                  + (f" groups={L['groups']}" if L.get("groups") else "")))
+    ident = info.get("model_identity")
+    rows.append(("identity",
+                 " ".join(f"{k}={ident[k]}" for k in IDENTITY_ORDER if ident.get(k, "-") != "-")
+                 if ident
+                 else "none recorded (made by a tool; the first engine re-initialises it)"))
     created = info.get("created_at")
     when = (datetime.datetime.fromtimestamp(created).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
             if isinstance(created, int) else "?")

@@ -49,8 +49,11 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from kvstore.store.disk import DiskStore
-from kvstore.errors import ConfigError, KVStoreError, MissingDependency, StoreFull, StoreLocked
-from kvstore.format.layout import check_layout, format_size, read_fingerprint
+from kvstore.errors import (
+    ConfigError, KVStoreError, LayoutMismatch, MissingDependency, StoreFull, StoreLocked,
+)
+from kvstore.format.identity import describe_differences
+from kvstore.format.layout import check_layout, format_size, read_fingerprint, stored_identity
 
 __all__ = ["PromptItem", "read_prompts", "warmup", "format_text", "NO_ENGINE"]
 
@@ -381,6 +384,22 @@ class _Copier:
         self.sm.evictions = self.evicted
 
 
+
+def check_same_model(dst: str, src: str) -> None:
+    """Refuse copying blocks between stores of different model identities (LayoutMismatch
+    naming the field): the copy would hand one model's KV to another. A store that records
+    no identity (made by a tool) accepts any source."""
+    a = stored_identity(read_fingerprint(dst)[2])
+    b = stored_identity(read_fingerprint(src)[2])
+    if a is None or b is None:
+        return
+    diffs = a.differences(b)
+    if diffs:
+        raise LayoutMismatch(
+            f"store {dst} holds KV of another model than {src} ({describe_differences(diffs)}); "
+            "refusing to copy one model's KV into another's store. Warm a new directory "
+            "instead.", field=f"model_identity.{diffs[0][0]}")
+
 def warmup(store: str, prompts: str | None = None, *, from_store: str | None = None,
            model: str | None = None, all_blocks: bool = False, tokenizer: str | None = None,
            fmt: str = "auto", dry_run: bool = False, allow_evict_hotter: bool = False,
@@ -415,8 +434,9 @@ def warmup(store: str, prompts: str | None = None, *, from_store: str | None = N
         if not dry_run and not os.path.lexists(os.path.join(store, "kvstore.json")):
             # Seeding a new node: the new store takes the source's layout (and, unless
             # --capacity says otherwise, its capacity).
-            cap = capacity if capacity is not None else read_fingerprint(src.path)[2]["capacity_bytes"]
-            DiskStore.create(store, src.layout, cap).close()
+            src_doc = read_fingerprint(src.path)[2]
+            cap = capacity if capacity is not None else src_doc["capacity_bytes"]
+            DiskStore.create(store, src.layout, cap, identity=stored_identity(src_doc)).close()
         elif capacity is not None and not dry_run:
             raise ConfigError(f"--capacity sizes a new store, and {store} exists already; leave it out "
                               "(or warm a new directory)")
@@ -426,6 +446,7 @@ def warmup(store: str, prompts: str | None = None, *, from_store: str | None = N
             raise _repairing(store) from None
         try:
             check_layout(dst.path, dst.layout, src.layout)
+            check_same_model(dst.path, src.path)
             sm = Summary(store=dst.path, source=f"store {src.path}", dry_run=dry_run,
                          prompts_total=len(items))
             lay = dst.layout

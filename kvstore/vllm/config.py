@@ -38,6 +38,7 @@ class ConnectorConfig:
     device_eio_window_s: float = 600.0
     thread_cpus: frozenset[int] | None = None   # CPUs kvstore's threads run on (None: any)
     io_thread_nice: int = 0           # nice increment of kvstore's I/O threads (kvstore.io.threads)
+    on_model_change: str = "reset"    # a store of other weights: "reset" it, or "refuse"
 
     @staticmethod
     def forward_on_host() -> bool:
@@ -53,7 +54,8 @@ class ConnectorConfig:
         known = {"path", "capacity", "io_mode", "queue_depth", "store_policy", "verify",
                  "durability", "staging", "load_timeout_s", "max_store_blocks_per_step", "create",
                  "slot_pool", "data_dirs", "admission", "admission_window",
-                 "device_eio_limit", "device_eio_window_s", "thread_cpus", "io_thread_nice"}
+                 "device_eio_limit", "device_eio_window_s", "thread_cpus", "io_thread_nice",
+                 "on_model_change"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kvstore: unknown kv_connector_extra_config key(s) {unknown}; "
@@ -112,6 +114,7 @@ class ConnectorConfig:
             io_thread_nice=io_nice(thread_cpus, None if extra.get("io_thread_nice") is None
                                    else integer("io_thread_nice", None, 0, 19),
                                    cls.forward_on_host()),
+            on_model_change=choice("on_model_change", "reset", ("reset", "refuse")),
         )
 
 

@@ -29,6 +29,7 @@ try:
 except ImportError as _exc:    # a vLLM whose connector API kvstore does not know
     raise unsupported_vllm(f"importing its KV-connector API failed ({_exc})",
                            "the connector base class and the disk cache-hit source") from None
+from kvstore.vllm.identity import identity_of_model_config
 from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta
 from kvstore.vllm.metrics import KVStorePromMetrics, KVStoreStats
 
@@ -44,6 +45,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self.layout = layout_from_vllm(vllm_config, kv_cache_config)
+        # Which weights and settings produce this engine's KV: a store of another model
+        # is never served (re-initialised or refused, `on_model_change`).
+        self.identity = identity_of_model_config(vllm_config.model_config)
         self.scheduler = None
         self.worker = None
         if role == KVConnectorRole.SCHEDULER:
@@ -53,7 +57,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             kinds = kv_group_kinds(kv_cache_config.kv_cache_groups) \
                 if kv_cache_config is not None else None
             self.scheduler = KVStoreScheduler(self.cfg, self.layout, vllm_config, events,
-                                              group_kinds=kinds)
+                                              group_kinds=kinds, identity=self.identity)
             log.info("kvstore: serving store %s (%s)", self.cfg.path, self.scheduler.store.stats())
             _warn_load_failure_policy(self._kv_transfer_config)
             _warn_cpu_reservation(vllm_config)
@@ -73,7 +77,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from kvstore.vllm.worker import KVStoreWorker
         _request_amx_permission()
-        self.worker = KVStoreWorker(self.cfg, self.layout, self._rank, kv_caches, self._kv_cache_config)
+        self.worker = KVStoreWorker(self.cfg, self.layout, self._rank, kv_caches,
+                                    self._kv_cache_config, identity=self.identity)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)

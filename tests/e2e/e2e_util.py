@@ -1,12 +1,15 @@
 """Helpers of the real-engine tests (tests/e2e): servers, comparisons, the kvstore CLI."""
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+import uuid
 from contextlib import contextmanager
 
 from kvstore.drivers.client import Completion
@@ -87,9 +90,70 @@ class Serve:
         finally:
             s.stop()
 
+    def tier_server(self, store: str, **kw) -> VLLMServer:
+        """A server whose OffloadingConnector keeps its primary tier on the CPU and a
+        kvstore tier over `store` behind it (`tier_config`); stop it with `stop_tier`."""
+        engine_id = f"kvstore-tier-test-{uuid.uuid4().hex[:12]}"
+        s = VLLMServer(model=kw.pop("model", self.model_dir), python=self.engine[0],
+                       log_path=str(self.logs / f"{self.name}-{len(self.servers)}.log"),
+                       kv_transfer_config=tier_config(str(store), engine_id), dtype=SERVE_DTYPE,
+                       max_model_len=kw.pop("max_model_len", 4096), **kw)
+        s.engine_id = engine_id
+        self.servers.append(s)
+        return s
+
+    def stop_tier(self, s: VLLMServer) -> None:
+        s.stop()
+        remove_primary_region(s.engine_id)
+
     def close(self):
         for s in self.servers:
             s.stop()
+            if getattr(s, "engine_id", None):
+                remove_primary_region(s.engine_id)
+
+
+# Offloaded chunks of 64 tokens over the server's 32-token blocks: two engine blocks per
+# chunk, so a prefix that ends inside a chunk is a partial chunk copy.
+CHUNK_TOKENS = 64
+
+
+def tier_config(store: str, engine_id: str) -> dict:
+    """The `--kv-transfer-config` of OffloadingConnector + kvstore tier on the CPU build."""
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine_id,
+            "kv_connector_extra_config": {
+                "spec_name": "CPUTieringOffloadingSpec",
+                "spec_module_path": "kvstore.vllm.cpu_offload",
+                "cpu_bytes_to_use": 64 << 20, "block_size": CHUNK_TOKENS,
+                "secondary_tiers": [{"type": "KVStoreTier", "module_path": "kvstore.vllm.tier",
+                                     "path": store, "capacity": "256M"}]}}
+
+
+def tier_counter(m: dict, name: str) -> float:
+    """A counter of the kvstore tier from a server's metrics."""
+    return m.get(f"vllm:kv_offload_kvstore_{name}_total", m.get(f"vllm:kv_offload_kvstore_{name}", 0.0))
+
+
+def wait_cascaded(server: VLLMServer, timeout: float = 300.0) -> float:
+    """Until the tier's written bytes are past 0 with no cascade job in flight, unchanged
+    over three samples a second apart. Returns those bytes."""
+    seen, t0 = [], time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        m = server.metrics()
+        seen.append((tier_counter(m, "written_bytes"),
+                     m.get("vllm:kv_offload_tiering_active_cascade_jobs", 0.0)))
+        if seen[-1][0] > 0 and len(seen) >= 3 and seen[-3] == seen[-2] == seen[-1] and seen[-1][1] == 0:
+            return seen[-1][0]
+        time.sleep(1.0)
+    raise AssertionError(f"the tier's writes did not settle in {timeout:.0f} s: {seen[-10:]}")
+
+
+def remove_primary_region(engine_id: str) -> None:
+    """vLLM's API server stops its engine core with a forced kill, which leaves the primary
+    tier's shared region (/dev/shm/vllm_offload_ENGINE_ID.mmap) behind."""
+    for path in glob.glob(f"/dev/shm/vllm_offload_{engine_id}*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def copy_store(src, dst) -> str:

@@ -9,35 +9,14 @@ tokens with chunks promoted from disk.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import glob
-import os
-import time
 import uuid
 
 import numpy as np
 import torch
 
-from e2e_util import MAX_TOKENS, assert_same, fsck, info
+from e2e_util import MAX_TOKENS, assert_same, fsck, info, tier_counter, wait_cascaded
 from kvstore.drivers.client import Client
-from kvstore.drivers.models import SERVE_DTYPE
-from kvstore.drivers.server import VLLMServer
-
-# Offloaded chunks of 64 tokens over the server's 32-token blocks: two engine blocks per
-# chunk, so a prefix that ends inside a chunk is a partial chunk copy.
-CHUNK_TOKENS = 64
-
-
-def tier_config(store: str, engine_id: str) -> dict:
-    """The `--kv-transfer-config` of OffloadingConnector + kvstore tier on the CPU build."""
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine_id,
-            "kv_connector_extra_config": {
-                "spec_name": "CPUTieringOffloadingSpec",
-                "spec_module_path": "kvstore.vllm.cpu_offload",
-                "cpu_bytes_to_use": 64 << 20, "block_size": CHUNK_TOKENS,
-                "secondary_tiers": [{"type": "KVStoreTier", "module_path": "kvstore.vllm.tier",
-                                     "path": store, "capacity": "256M"}]}}
 
 
 def test_copy_worker_moves_the_bytes_vllms_handler_addresses():
@@ -126,52 +105,14 @@ def test_copy_worker_moves_the_bytes_vllms_handler_addresses():
         worker.shutdown()
 
 
-def _tier_counter(m: dict, name: str) -> float:
-    return m.get(f"vllm:kv_offload_kvstore_{name}_total", m.get(f"vllm:kv_offload_kvstore_{name}", 0.0))
-
-
-def _wait_cascaded(server: VLLMServer, timeout: float = 300.0) -> float:
-    """Until the tier's written bytes are past 0 with no cascade job in flight, unchanged
-    over three samples a second apart. Returns those bytes."""
-    seen, t0 = [], time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        m = server.metrics()
-        seen.append((_tier_counter(m, "written_bytes"),
-                     m.get("vllm:kv_offload_tiering_active_cascade_jobs", 0.0)))
-        if seen[-1][0] > 0 and len(seen) >= 3 and seen[-3] == seen[-2] == seen[-1] and seen[-1][1] == 0:
-            return seen[-1][0]
-        time.sleep(1.0)
-    raise AssertionError(f"the tier's writes did not settle in {timeout:.0f} s: {seen[-10:]}")
-
-
-def _remove_primary_region(engine_id: str) -> None:
-    """vLLM's API server stops its engine core with a forced kill, which leaves the primary
-    tier's shared region (/dev/shm/vllm_offload_ENGINE_ID.mmap) behind."""
-    for path in glob.glob(f"/dev/shm/vllm_offload_{engine_id}*"):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
 def test_tier_serves_identical_tokens_and_hits_disk_after_restart(serve, workload, reference, tmp_path):
     store = str(tmp_path / "tier")
-    engine_ids = []
-
-    def server():
-        engine_ids.append(f"kvstore-tier-test-{uuid.uuid4().hex[:12]}")
-        s = VLLMServer(model=serve.model_dir, python=serve.engine[0],
-                       log_path=str(serve.logs / f"{serve.name}-{len(serve.servers)}.log"),
-                       kv_transfer_config=tier_config(store, engine_ids[-1]), dtype=SERVE_DTYPE,
-                       max_model_len=4096)
-        serve.servers.append(s)
-        return s
-
-    s = server().start()
+    s = serve.tier_server(store).start()
     try:
         assert_same(reference, workload.replay(Client(s.url), max_tokens=MAX_TOKENS), workload)
-        written = _wait_cascaded(s)
+        written = wait_cascaded(s)
     finally:
-        s.stop()
-        _remove_primary_region(engine_ids[-1])
+        serve.stop_tier(s)
     log = s.log_text()
     assert "Created secondary tier #0 (KVStoreTier)" in log
     assert "Created TieringOffloadingManager with primary tier" in log
@@ -179,23 +120,22 @@ def test_tier_serves_identical_tokens_and_hits_disk_after_restart(serve, workloa
     assert used > 0 and written > 0
 
     # A new engine: vLLM's prefix cache and CPU primary tier are empty, the tier store is not.
-    s = server().start()
+    s = serve.tier_server(store).start()
     try:
         m0 = s.metrics()
         assert_same(reference, workload.replay(Client(s.url), max_tokens=MAX_TOKENS), workload)
         m1 = s.metrics()
     finally:
-        s.stop()
-        _remove_primary_region(engine_ids[-1])
-    hits = _tier_counter(m1, "hits") - _tier_counter(m0, "hits")
-    loaded = _tier_counter(m1, "loaded_chunks") - _tier_counter(m0, "loaded_chunks")
+        serve.stop_tier(s)
+    hits = tier_counter(m1, "hits") - tier_counter(m0, "hits")
+    loaded = tier_counter(m1, "loaded_chunks") - tier_counter(m0, "loaded_chunks")
     ext = (m1.get("vllm:external_prefix_cache_hits_total", 0)
            - m0.get("vllm:external_prefix_cache_hits_total", 0))
     print(f"tier store: {used} slots, {written:.0f} bytes written; after the restart: {hits:.0f} "
-          f"tier hits, {loaded:.0f} chunks loaded ({_tier_counter(m1, 'read_bytes'):.0f} bytes), "
+          f"tier hits, {loaded:.0f} chunks loaded ({tier_counter(m1, 'read_bytes'):.0f} bytes), "
           f"{ext:.0f} external prefix hit tokens")
     assert hits > 0 and loaded > 0, f"no chunk came from the tier store (hits {hits}, loaded {loaded})"
     assert ext > 0, "vLLM counted no external prefix cache hit"
-    assert _tier_counter(m1, "verify_failures") == 0
+    assert tier_counter(m1, "verify_failures") == 0
     code, doc = fsck(store, "--deep")
     assert code == 0 and doc["findings"] == [], doc
