@@ -403,7 +403,7 @@ class MultiDirFio:
                 os.unlink(p)
 
 
-def _parse_dirs(directory) -> list[str] | None:
+def parse_dirs(directory) -> list[str] | None:
     if directory is None:
         return None
     if isinstance(directory, (list, tuple)):
@@ -430,7 +430,7 @@ def run(directory: str | None = None, size="4G", block_size="2M", queue_depth: i
     block = parse_size(block_size)
     if block % 4096 or block <= HEADER_SIZE:
         raise ConfigError(f"block size {block} must be a multiple of 4096 and > 4096")
-    dirs = _parse_dirs(directory)
+    dirs = parse_dirs(directory)
     own_dir = dirs is None
     if own_dir:
         dirs = [tempfile.mkdtemp(prefix="kvstore-bench-")]

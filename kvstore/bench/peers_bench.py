@@ -72,7 +72,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from kvstore.bench.io_bench import (Fio, MultiDirFio, MultiDirThreads, OneThread, _parse_dirs,
+from kvstore.bench.io_bench import (Fio, MultiDirFio, MultiDirThreads, OneThread, parse_dirs,
                                      drop_page_cache)
 from kvstore.bench.plotting import size_panels
 from kvstore.errors import BenchmarkFailed, ConfigError, MissingDependency
@@ -808,7 +808,7 @@ def run(directory: str | None = None, size="1G", block_sizes="128K,512K,2M", que
     if "fio" in systems and shutil.which("fio") is None:
         raise MissingDependency("fio is not installed (Debian: apt-get install fio)")
     own_dir = directory is None
-    dirs = _parse_dirs(directory)
+    dirs = parse_dirs(directory)
     if dirs is not None and len(dirs) > 1:
         directory = dirs[0]
         for d in dirs:

@@ -48,14 +48,16 @@ import lmdb
 
 from kvstore.errors import ConfigError, CorruptIndex, KVStoreError, StoreClosed, StoreFull
 
-__all__ = ["Entry", "Index", "FORMAT_VERSION"]
+__all__ = ["Entry", "Index", "IndexDBs", "FORMAT_VERSION", "SLOT_KEY", "COUNTER", "LRU_KEY",
+           "ENTRY_VALUE", "make_entry"]
 
 FORMAT_VERSION = 1
 
-_U32 = struct.Struct(">I")      # slot keys: big-endian so LMDB order == numeric order
-_U64 = struct.Struct("<Q")      # meta counters, reservation generation
-_LRU = struct.Struct(">QI")     # tick then slot: ordered by age, unique per slot
-_VAL = struct.Struct("<IQQ")    # keys-db value: slot, generation, tick
+# The row codecs (docs/FORMAT.md), public for the maintenance code (`kvstore.index.maint`).
+SLOT_KEY = _U32 = struct.Struct(">I")   # slot keys: big-endian so LMDB order == numeric order
+COUNTER = _U64 = struct.Struct("<Q")    # meta counters, reservation generation
+LRU_KEY = _LRU = struct.Struct(">QI")   # tick then slot: ordered by age, unique per slot
+ENTRY_VALUE = _VAL = struct.Struct("<IQQ")   # keys-db value: slot, generation, tick
 
 _DB_NAMES = (b"keys", b"slots", b"lru", b"free", b"reserved", b"meta", b"owned")
 _COUNTERS = (b"capacity", b"high_water", b"tick", b"generation", b"hits", b"misses",
@@ -98,6 +100,21 @@ def _entry(key: bytes, slot: int, gen: int, tick: int) -> Entry:
     _set_gen(e, gen)
     _set_tick(e, tick)
     return e
+
+
+make_entry = _entry     # (public name, for the maintenance code)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexDBs:
+    """The LMDB database handles of an open index (docs/FORMAT.md, "Index")."""
+    keys: object
+    slots: object
+    lru: object
+    free: object
+    reserved: object
+    meta: object
+    owned: object
 
 
 _DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadValsizeError)
@@ -430,6 +447,33 @@ class Index:
     @property
     def closed(self) -> bool:
         return self._env is None
+
+    # -- the maintenance interface: raw transactions and rows, for `kvstore.index.maint`
+    # (fsck, rebuild, bulk load). The serving path never uses it.
+
+    @property
+    def dbs(self) -> IndexDBs:
+        return IndexDBs(self._keys, self._slots, self._lru, self._free, self._reserved,
+                        self._meta, self._owned)
+
+    def env(self) -> lmdb.Environment:
+        """The open LMDB environment (StoreClosed once closed)."""
+        return self._live()
+
+    def read_txn(self):
+        """A read transaction: a context manager giving the lmdb txn."""
+        return self._read()
+
+    def write_txn(self, fn, *args):
+        """Run fn(txn, *args) in one write transaction (rerun after a map resize)."""
+        return self._write(fn, *args)
+
+    def counter(self, txn, name: bytes) -> int:
+        """A `meta` counter (docs/FORMAT.md) read in `txn`."""
+        return self._get(txn, name)
+
+    def set_counter(self, txn, name: bytes, value: int) -> None:
+        self._set(txn, name, value)
 
     # ------------------------------------------------------------------ txn plumbing
 

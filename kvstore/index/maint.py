@@ -14,7 +14,9 @@ from collections.abc import Iterable, Iterator
 import lmdb
 
 from kvstore.errors import KVStoreError
-from kvstore.index.core import _LRU, _U32, _U64, _VAL, Entry, Index, _entry
+from kvstore.index.core import (
+    COUNTER, ENTRY_VALUE, LRU_KEY, SLOT_KEY, Entry, Index, make_entry,
+)
 
 __all__ = ["IndexSnapshot", "bulk_load", "rebuild_index", "snapshot"]
 
@@ -29,12 +31,12 @@ def bulk_load(ix: Index, entries: Iterable[tuple[bytes, int, int]], *, keys_sort
     KVStoreError on a duplicate key or slot, or if the index is not empty (partial
     batches already written stay; recreate the index to retry). Returns the count.
     """
-    ix._live()
-    with ix._read() as txn:
-        if (txn.stat(ix._keys)["entries"] or txn.stat(ix._reserved)["entries"]
-                or ix._get(txn, b"high_water")):
-            raise KVStoreError(f"bulk_load: index at {ix._path} is not empty")
-    cap = ix._capacity
+    ix.env()
+    with ix.read_txn() as txn:
+        if (txn.stat(ix.dbs.keys)["entries"] or txn.stat(ix.dbs.reserved)["entries"]
+                or ix.counter(txn, b"high_water")):
+            raise KVStoreError(f"bulk_load: index at {ix.path} is not empty")
+    cap = ix.capacity_slots
     seen = bytearray(cap)
     state = {"tick": 0, "gen": 0, "hw": 0, "n": 0, "last_slot": -1}
 
@@ -42,24 +44,24 @@ def bulk_load(ix: Index, entries: Iterable[tuple[bytes, int, int]], *, keys_sort
         slot_sorted = all(rows[i][1] < rows[i + 1][1] for i in range(len(rows) - 1)) \
             and rows[0][1] > state["last_slot"]
         t0 = state["tick"]
-        kv = [(k, _VAL.pack(s, g, t0 + i + 1)) for i, (k, s, g) in enumerate(rows)]
-        sv = [(_U32.pack(s), k) for k, s, _ in rows]
+        kv = [(k, ENTRY_VALUE.pack(s, g, t0 + i + 1)) for i, (k, s, g) in enumerate(rows)]
+        sv = [(SLOT_KEY.pack(s), k) for k, s, _ in rows]
         if not slot_sorted:
             sv.sort()
-        lv = [(_LRU.pack(t0 + i + 1, s), b"") for i, (_, s, _) in enumerate(rows)]
+        lv = [(LRU_KEY.pack(t0 + i + 1, s), b"") for i, (_, s, _) in enumerate(rows)]
 
         def txnfn(txn):
-            _, added = txn.cursor(db=ix._keys).putmulti(kv, overwrite=False,
+            _, added = txn.cursor(db=ix.dbs.keys).putmulti(kv, overwrite=False,
                                                           append=keys_sorted)
             if added != len(kv):
                 raise KVStoreError("bulk_load: duplicate key in input")
-            txn.cursor(db=ix._slots).putmulti(sv, append=slot_sorted)
-            txn.cursor(db=ix._lru).putmulti(lv, append=True)
-            ix._set(txn, b"tick", t0 + len(rows))
-            ix._set(txn, b"generation", max(state["gen"], max(g for _, _, g in rows)))
-            ix._set(txn, b"high_water", max(state["hw"], max(s for _, s, _ in rows) + 1))
+            txn.cursor(db=ix.dbs.slots).putmulti(sv, append=slot_sorted)
+            txn.cursor(db=ix.dbs.lru).putmulti(lv, append=True)
+            ix.set_counter(txn, b"tick", t0 + len(rows))
+            ix.set_counter(txn, b"generation", max(state["gen"], max(g for _, _, g in rows)))
+            ix.set_counter(txn, b"high_water", max(state["hw"], max(s for _, s, _ in rows) + 1))
 
-        ix._write(txnfn)
+        ix.write_txn(txnfn)
         state["tick"] = t0 + len(rows)
         state["gen"] = max(state["gen"], max(g for _, _, g in rows))
         state["hw"] = max(state["hw"], max(s for _, s, _ in rows) + 1)
@@ -83,10 +85,10 @@ def bulk_load(ix: Index, entries: Iterable[tuple[bytes, int, int]], *, keys_sort
     holes = []
     i = seen.find(0, 0, hw)
     while i != -1:
-        holes.append((_U32.pack(i), b""))
+        holes.append((SLOT_KEY.pack(i), b""))
         i = seen.find(0, i + 1, hw)
     if holes:
-        ix._write(lambda txn: txn.cursor(db=ix._free).putmulti(holes, append=True))
+        ix.write_txn(lambda txn: txn.cursor(db=ix.dbs.free).putmulti(holes, append=True))
     return state["n"]
 
 
@@ -110,7 +112,7 @@ class IndexSnapshot:
         self.malformed: list[tuple[str, bytes]] = []
 
     def __enter__(self) -> "IndexSnapshot":
-        self._txn = self._ix._read()
+        self._txn = self._ix.read_txn()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -125,71 +127,71 @@ class IndexSnapshot:
 
     def counters(self) -> dict[str, int]:
         out = {}
-        for k, v in self._rows(self._ix._meta):
-            if len(v) == _U64.size:
-                out[k.decode(errors="replace")] = _U64.unpack(v)[0]
+        for k, v in self._rows(self._ix.dbs.meta):
+            if len(v) == COUNTER.size:
+                out[k.decode(errors="replace")] = COUNTER.unpack(v)[0]
             else:
                 self.malformed.append(("meta", bytes(k)))
         return out
 
     def count(self, name: str) -> int:
-        db = {"keys": self._ix._keys, "slots": self._ix._slots, "lru": self._ix._lru,
-              "free": self._ix._free, "reserved": self._ix._reserved}[name]
+        db = {"keys": self._ix.dbs.keys, "slots": self._ix.dbs.slots, "lru": self._ix.dbs.lru,
+              "free": self._ix.dbs.free, "reserved": self._ix.dbs.reserved}[name]
         return self._txn.stat(db)["entries"]
 
     def entries(self) -> Iterator[Entry]:
         """keys db: every committed entry, in key order."""
-        for k, v in self._rows(self._ix._keys):
-            if len(v) != _VAL.size:
+        for k, v in self._rows(self._ix.dbs.keys):
+            if len(v) != ENTRY_VALUE.size:
                 self.malformed.append(("keys", bytes(k)))
                 continue
-            yield _entry(bytes(k), *_VAL.unpack(v))
+            yield make_entry(bytes(k), *ENTRY_VALUE.unpack(v))
 
     def slot_rows(self) -> Iterator[tuple[int, bytes]]:
         """slots db: (slot, key) reverse rows."""
-        for sk, k in self._rows(self._ix._slots):
-            if len(sk) != _U32.size:
+        for sk, k in self._rows(self._ix.dbs.slots):
+            if len(sk) != SLOT_KEY.size:
                 self.malformed.append(("slots", bytes(sk)))
                 continue
-            yield _U32.unpack(sk)[0], bytes(k)
+            yield SLOT_KEY.unpack(sk)[0], bytes(k)
 
     def lru_rows(self) -> Iterator[tuple[int, int]]:
         """lru db: (tick, slot), coldest first."""
-        for lk, _ in self._rows(self._ix._lru):
-            if len(lk) != _LRU.size:
+        for lk, _ in self._rows(self._ix.dbs.lru):
+            if len(lk) != LRU_KEY.size:
                 self.malformed.append(("lru", bytes(lk)))
                 continue
-            yield _LRU.unpack(lk)
+            yield LRU_KEY.unpack(lk)
 
     def free_rows(self) -> Iterator[int]:
         """free db: the given-back slots (not the never-used ones >= high_water)."""
-        for sk, _ in self._rows(self._ix._free):
-            if len(sk) != _U32.size:
+        for sk, _ in self._rows(self._ix.dbs.free):
+            if len(sk) != SLOT_KEY.size:
                 self.malformed.append(("free", bytes(sk)))
                 continue
-            yield _U32.unpack(sk)[0]
+            yield SLOT_KEY.unpack(sk)[0]
 
     def owned_rows(self) -> Iterator[tuple[bytes, int]]:
         """owned db: (owner id, slot) of each engine's reservation (none in an older
         store, which has no `owned` db)."""
-        if self._ix._owned is None:
+        if self._ix.dbs.owned is None:
             return iter(())
         return self._owned_rows()
 
     def _owned_rows(self) -> Iterator[tuple[bytes, int]]:
-        for k, _ in self._rows(self._ix._owned):
+        for k, _ in self._rows(self._ix.dbs.owned):
             if len(k) != 16:
                 self.malformed.append(("owned", bytes(k)))
                 continue
-            yield bytes(k[:12]), _U32.unpack(k[12:])[0]
+            yield bytes(k[:12]), SLOT_KEY.unpack(k[12:])[0]
 
     def reserved_rows(self) -> Iterator[tuple[int, int, bytes]]:
         """reserved db: (slot, generation, key)."""
-        for sk, v in self._rows(self._ix._reserved):
-            if len(sk) != _U32.size or len(v) < _U64.size:
+        for sk, v in self._rows(self._ix.dbs.reserved):
+            if len(sk) != SLOT_KEY.size or len(v) < COUNTER.size:
                 self.malformed.append(("reserved", bytes(sk)))
                 continue
-            yield _U32.unpack(sk)[0], _U64.unpack_from(v)[0], bytes(v[8:])
+            yield SLOT_KEY.unpack(sk)[0], COUNTER.unpack_from(v)[0], bytes(v[8:])
 
 
 _KEPT_COUNTERS = ("hits", "misses", "evictions", "duplicates", "stale_commits")
@@ -227,14 +229,14 @@ def rebuild_index(path: str, capacity_slots: int, entries: Iterable[tuple[bytes,
         def txnfn(txn):
             for name in _KEPT_COUNTERS:
                 if name in counters:
-                    ix._set(txn, name.encode(), int(counters[name]))
+                    ix.set_counter(txn, name.encode(), int(counters[name]))
             for name, v in counters.items():    # fenced devices stay fenced
                 if name.startswith("fenced."):
-                    ix._set(txn, name.encode(), int(v))
+                    ix.set_counter(txn, name.encode(), int(v))
             floor = int(counters.get("generation", 0))
-            if floor > ix._get(txn, b"generation"):
-                ix._set(txn, b"generation", floor)
-        ix._write(txnfn)
+            if floor > ix.counter(txn, b"generation"):
+                ix.set_counter(txn, b"generation", floor)
+        ix.write_txn(txnfn)
     if os.path.lexists(path):
         os.rename(path, old)
     os.rename(tmp, path)

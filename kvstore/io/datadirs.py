@@ -19,7 +19,7 @@ from kvstore.errors import ConfigError, DataDirError, StoreNotFound
 from kvstore.format.layout import StoreGeometry, format_size
 
 
-def _check_dir(path: str) -> None:
+def check_dir(path: str) -> None:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -34,7 +34,7 @@ def _check_dir(path: str) -> None:
 DATA_MARKER = "kvstore-data.json"   # in each data directory: which store it belongs to
 
 
-def _check_data_dir(path: str, direct: bool) -> None:
+def check_data_dir(path: str, direct: bool) -> None:
     """Refuse a data directory kvstore cannot use, saying what to do: it must exist (a
     missing directory is most often a device that is not mounted, and creating it would
     put the slots on the wrong disk), be a real directory (not a symlink), be writable
@@ -153,7 +153,7 @@ def probe_data_dir(path: str, store: str, device: int, direct: bool = True,
     return None
 
 
-def _claim_data_dir(path: str, store: str, device: int) -> None:
+def claim_data_dir(path: str, store: str, device: int) -> None:
     """Mark a data directory as device `device` of `store`. A directory marked for another
     store, or holding slot files without a mark, is refused (two stores in one directory
     would overwrite each other's slots); what an interrupted creation of this same store
@@ -186,14 +186,14 @@ def _claim_data_dir(path: str, store: str, device: int) -> None:
                            f"(or restore it); to start over, remove {path}/rank* first")
     for name in ranks:   # what an interrupted creation of this store left
         d = os.path.join(path, name)
-        _check_dir(d)
+        check_dir(d)
         for f in os.listdir(d):
             if re.fullmatch(r"slots-\d{4}\.kvs", f) or f == "iostats":
                 os.unlink(os.path.join(d, f))
-    _write_marker(path, store, device, complete=False)
+    write_marker(path, store, device, complete=False)
 
 
-def _write_marker(path: str, store: str, device: int, *, complete: bool) -> None:
+def write_marker(path: str, store: str, device: int, *, complete: bool) -> None:
     """Write a data directory's kvstore-data.json (durably); `complete` once the store's
     kvstore.json is written (only an incomplete creation's leftovers are ever removed)."""
     marker = os.path.join(path, DATA_MARKER)
@@ -205,7 +205,7 @@ def _write_marker(path: str, store: str, device: int, *, complete: bool) -> None
         os.fsync(f.fileno())
 
 
-def _check_free_space(path: str, dirs: list[str], geo: StoreGeometry, tp_size: int) -> None:
+def check_free_space(path: str, dirs: list[str], geo: StoreGeometry, tp_size: int) -> None:
     """Every device must hold its share of the slots (data directories on one file system
     share its free space)."""
     if len(dirs) == 1 and dirs[0] == path:
@@ -233,7 +233,7 @@ def _check_free_space(path: str, dirs: list[str], geo: StoreGeometry, tp_size: i
                 f"{len(dirs)} data directories)")
 
 
-def _check_distinct_dirs(dirs: list[str]) -> None:
+def check_distinct_dirs(dirs: list[str]) -> None:
     """Two data directories that are one directory (a symlink, a bind mount) would put two
     devices' slot files in one place: refuse, naming both."""
     seen: dict[tuple[int, int], str] = {}

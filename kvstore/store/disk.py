@@ -40,8 +40,8 @@ from kvstore.io.paths import rank_dir, slot_file_path  # noqa: F401  (public her
 from kvstore.io.rank import IO_MODES, RankIO, _check_choice
 from kvstore.io.records import SlotRef  # noqa: F401  (public here too)
 from kvstore.io.datadirs import (  # noqa: F401  (probe_data_dir and DATA_MARKER are public here too)
-    DATA_MARKER, _check_data_dir, _check_dir, _check_distinct_dirs, _check_free_space, _claim_data_dir,
-    _write_marker, probe_data_dir,
+    DATA_MARKER, check_data_dir, check_dir, check_distinct_dirs, check_free_space, claim_data_dir,
+    write_marker, probe_data_dir,
 )
 
 log = logging.getLogger("kvstore.store.disk")
@@ -52,7 +52,7 @@ def _safe_mkdir(path: str) -> None:
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
-        _check_dir(path)
+        check_dir(path)
 
 
 def _remove_unfinished_store(path: str) -> None:
@@ -64,13 +64,13 @@ def _remove_unfinished_store(path: str) -> None:
         if not re.fullmatch(r"rank\d+", name):
             continue
         d = os.path.join(path, name)
-        _check_dir(d)
+        check_dir(d)
         for f in os.listdir(d):
             if re.fullmatch(r"slots-\d{4}\.kvs", f):
                 os.unlink(os.path.join(d, f))
     idx = os.path.join(path, "index")
     if os.path.lexists(idx):
-        _check_dir(idx)
+        check_dir(idx)
         for f in ("data.mdb", "lock.mdb"):
             if os.path.lexists(os.path.join(idx, f)):
                 os.unlink(os.path.join(idx, f))
@@ -154,7 +154,7 @@ class DiskStore:
         self.index = None
         self.ranks: list[RankIO] = []
         self._pins: Counter = Counter()
-        _check_dir(self.path)
+        check_dir(self.path)
         self.layout, self.geometry, self.fingerprint = read_fingerprint(self.path)
         if layout is not None:
             check_layout(self.path, self.layout, layout)
@@ -230,8 +230,8 @@ class DiskStore:
         direct = kw.get("io_mode", "direct") == "direct"
         if dirs:
             for d in dirs:
-                _check_data_dir(d, direct)
-            _check_distinct_dirs(dirs)
+                check_data_dir(d, direct)
+            check_distinct_dirs(dirs)
         _safe_mkdir(path)
         lock = WriterLock(path)
         devices = dirs or [path]
@@ -246,11 +246,11 @@ class DiskStore:
             # and an index behind; they belong to no store (nothing opens a directory
             # without kvstore.json) and would make every later creation fail.
             _remove_unfinished_store(path)
-            _check_free_space(path, devices, geo, layout.tp_size)
+            check_free_space(path, devices, geo, layout.tp_size)
             if dirs:
                 for d, ddir in enumerate(dirs):
                     if ddir != path:
-                        _claim_data_dir(ddir, path, d)
+                        claim_data_dir(ddir, path, d)
         except BaseException:
             lock.release()
             raise
@@ -271,7 +271,7 @@ class DiskStore:
             write_fingerprint(path, layout, geo, capacity_bytes, dirs, identity)
             for d, ddir in enumerate(dirs or []):
                 if ddir != path:
-                    _write_marker(ddir, path, d, complete=True)
+                    write_marker(ddir, path, d, complete=True)
         except BaseException:
             for p in created:
                 try:
@@ -551,7 +551,7 @@ def ensure_store(path: str, layout: Layout, capacity=None, *, io_mode: str = "di
             if not os.path.lexists(fp):
                 DiskStore.create(path, layout, capacity, io_mode=io_mode, data_dirs=data_dirs,
                                  identity=identity).close()
-    _check_dir(path)
+    check_dir(path)
     try:
         stored, _, doc = read_fingerprint(path)
     except StoreNotFound:
@@ -628,7 +628,7 @@ def reset_store(path: str, layout: Layout, doc: dict, identity, diffs, *,
         dirs = doc.get("data_dirs")
         for d, ddir in enumerate(dirs or []):
             if ddir != path:
-                _write_marker(ddir, path, d, complete=False)
+                write_marker(ddir, path, d, complete=False)
         os.unlink(os.path.join(path, "kvstore.json"))
         _fsync_dir(path)
         _remove_unfinished_store(path)
