@@ -25,7 +25,7 @@ from kvstore import _slotfile
 from kvstore._hostbuf import HostBuffer
 from kvstore._ring import Ring
 from kvstore._slotfile import SlotFile
-from kvstore.io.datadirs import _check_dir, probe_data_dir
+from kvstore.io.datadirs import check_dir, probe_data_dir
 from kvstore.io.device_stream import DeviceStream
 from kvstore.errors import AlignmentError, ConfigError, CorruptSlot, KVStoreError, StoreClosed
 from kvstore.format.layout import HEADER_SIZE, Layout, check_layout, device_dirs, read_fingerprint
@@ -175,6 +175,10 @@ class RankIO:
         # I/O on their slots fails EBADF.
         self.bad_files: dict[int, str] = {}
         self.rings: list = []
+        # What every ring has registered as its buffers (`Ring.register_buffers`): staging,
+        # and with `register_memory` kvstore's header memory and the caller's memory. A
+        # ring rebuilt after it closed itself registers the same (`_ring_for_use`).
+        self._ring_buffers: list = []
         self._own_staging = staging is None
         self.staging = None
         self._headers = None   # header memory of caller-memory transfers (read_into/write_from)
@@ -213,7 +217,7 @@ class RankIO:
             dev_files: list[list[SlotFile]] = []
             for d, ddir in enumerate(self.dirs):
                 try:
-                    _check_dir(rank_dir(ddir, rank))
+                    check_dir(rank_dir(ddir, rank))
                     dir_error = None
                 except KVStoreError as exc:
                     if tolerate:
@@ -266,6 +270,7 @@ class RankIO:
                                   f"payloads) do not fit this store's {geo.slot_size}-byte slots")
             self.staging = staging
             self.staging_slots = staging.num_slots
+            self._ring_buffers = [staging.buffer]
             for d in range(self.ndev):
                 ring = Ring(queue_depth)
                 self.rings.append(ring)
@@ -489,6 +494,7 @@ class RankIO:
             for ring in self.rings:
                 ring.close()
             self.rings = []
+            self._ring_buffers = []     # (the caller's memory is no longer referenced)
             for c in self._counters:
                 if c is not None:
                     c.close()
@@ -510,8 +516,47 @@ class RankIO:
         return not self.rings
 
     def _check_open(self):
+        """Refuse a closed RankIO; every operation starts here, and takes its rings open
+        (`_ring_for_use`)."""
         if not self.rings:
             raise StoreClosed(f"RankIO for rank {self.rank} of {self.store_dir} is closed")
+        for d in range(len(self.rings)):
+            self._ring_for_use(d)
+
+    def _ring_for_use(self, d: int):
+        """Device d's ring, open. A ring closes itself when io_uring_enter fails with
+        requests in flight (`Ring._abandon`: the call that hit it raises); the next
+        operation replaces it here with a new ring of the same queue depth, the same
+        buffers and the device's slot files registered, and logs a warning. The device
+        threads (`DeviceStream`), which hold the old ring, are stopped and made again on
+        demand. Called between operations only (no part of this RankIO in flight). When
+        the rebuild fails this raises KVStoreError (the operation fails, nothing moved)
+        and the next operation tries again."""
+        ring = self.rings[d]
+        if not ring.closed:
+            return ring
+        new = None
+        try:
+            new = Ring(self.queue_depth)
+            new.register_buffers(self._ring_buffers)
+            files = [f for f in self.files if self._fd_dev.get(f.fd) == d]
+            if files:
+                new.register_files([f.fd for f in files], [f.path for f in files])
+        except Exception as exc:
+            if new is not None:
+                new.close()
+            raise KVStoreError(f"rank {self.rank}: the io_uring ring of device {d} "
+                               f"({self.dirs[d]}) closed after an error and could not be "
+                               f"rebuilt: {exc}") from exc
+        with self._streams_lock:
+            streams, self._streams = self._streams, None
+        for stream in streams or ():
+            stream.close()
+        self.rings[d] = new
+        log.warning("kvstore rank %d: the io_uring ring of device %d (%s) had closed after an "
+                    "error; rebuilt (queue depth %d)", self.rank, d, self.dirs[d],
+                    self.queue_depth)
+        return new
 
     def payload_view(self, i: int) -> np.ndarray:
         """Staging payload area of staging slot i (uint8, block_bytes long)."""
@@ -970,11 +1015,13 @@ class RankIO:
                 raise TypeError("register_memory needs writable memory (the kernel pins it "
                                 "for both directions); pass read-only sources to write_from "
                                 "unregistered")
-        ok = all([ring.register_buffers([self.staging.buffer, self._header_pool(), *buffers])
-                  for ring in self.rings])
+        bufs = [self.staging.buffer, self._header_pool(), *buffers]
+        ok = all([ring.register_buffers(bufs) for ring in self.rings])
         if not ok:
+            bufs = [self.staging.buffer]
             for ring in self.rings:
-                ring.register_buffers([self.staging.buffer])
+                ring.register_buffers(bufs)
+        self._ring_buffers = bufs
         return ok
 
     def unregister_memory(self) -> None:
@@ -982,6 +1029,7 @@ class RankIO:
         self._check_open()
         for ring in self.rings:
             ring.register_buffers([self.staging.buffer])
+        self._ring_buffers = [self.staging.buffer]
 
     def _payload_addrs(self, payloads, n: int, writable: bool):
         """Addresses of n caller payload buffers, each checked: C-contiguous, holding the

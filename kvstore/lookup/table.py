@@ -33,6 +33,13 @@ misses in the table while other engines are attached asks LMDB for the rest of t
 (what another engine stored becomes a hit here, and joins the table). The index thread
 also reclaims the reservations of engines that died (their lease lock is free), follows
 engines that come and go, and sweeps stale entries.
+
+A dropped key (`drop`: a load found it bad or could not read it; `drop_all`) leaves the
+table at once, LMDB only when the index thread applies the drop. Until then the key is
+never taken from LMDB (the lookups of other engines' entries, the lookups while the table
+is being built, the build itself): a drop is final from the moment it is asked for, so a
+key that failed to load answers MISS instead of coming back as a hit. A drop LMDB could
+not apply keeps its keys out of those lookups until the engine restarts.
 """
 from __future__ import annotations
 
@@ -132,6 +139,11 @@ class ServingIndex:
     # The scheduler plans eager stores packed (vLLM's hashes, no key made on its thread):
     # this index makes their keys on its own thread.
     packed_stores = True
+    # How long `close` waits for the index thread to apply what is queued and stop.
+    CLOSE_JOIN_S = 120.0
+    # Drops not applied to LMDB yet (instances set their own; see `drop`).
+    _dropping: set[bytes] | frozenset = frozenset()
+    _dropping_all = 0
 
     def __init__(self, store: DiskStore, *, pool_target: int = 1024, announce=None,
                  probe_devices: str | None = None, thread_cpus: frozenset[int] | None = None,
@@ -184,6 +196,10 @@ class ServingIndex:
         self._posted = threading.Event()
         self._queued = 0            # commits queued and not applied (step thread reads)
         self._hits = self._misses = 0   # counted by the step thread, not sent yet
+        # Drops asked for and not yet applied to LMDB (see the module docstring): keys
+        # (`drop`), and how many `drop_all`s are queued. Changed under `_lock`.
+        self._dropping: set[bytes] = set()
+        self._dropping_all = 0
         self._applied = 0
         self._closed = False
         self._gauges = self._read_gauges()
@@ -213,7 +229,8 @@ class ServingIndex:
         """(slots, generations) of the longest cached prefix of keys (keys[:len(slots)]);
         the slots are pinned (unpin them when done). Plain lists: no object per block."""
         if not self._ready:
-            entries = self.index.longest_prefix(keys)   # LMDB read txn, until the table is built
+            entries = self._undropped(self.index.longest_prefix(keys))   # LMDB read txn,
+            #                                                  until the table is built
             slots, gens = [e.slot for e in entries], [e.generation for e in entries]
             with self._lock:
                 self._table.pin(slots)
@@ -237,7 +254,7 @@ class ServingIndex:
 
     def contains(self, key: bytes) -> bool:
         if not self._ready:
-            return self.index.lookup(key) is not None
+            return not self._dropped(key) and self.index.lookup(key) is not None
         with self._lock:
             return key in self._table
 
@@ -283,7 +300,7 @@ class ServingIndex:
             while pos < n:
                 part = keys_at(pos, min(n, pos + chunk))
                 try:
-                    entries = self.index.longest_prefix(part)
+                    entries = self._undropped(self.index.longest_prefix(part))
                 except KVStoreError as exc:     # e.g. a map another engine grew, not adopted yet
                     log.debug("kvstore: LMDB lookup for other engines' blocks failed: %s", exc)
                     break                       # a miss: vLLM computes the rest
@@ -340,7 +357,8 @@ class ServingIndex:
         if not found:
             return flags
         slots = self.lease.slots
-        ok = [(k, s_, g) for k, s_, g in found if slots.generation(s_) == g]
+        ok = [(k, s_, g) for k, s_, g in found
+              if slots.generation(s_) == g and not self._dropped(k)]
         if not ok:
             return flags
         self._table.put_many([x[0] for x in ok], [x[1] for x in ok], [x[2] for x in ok])
@@ -385,8 +403,8 @@ class ServingIndex:
 
     # The same walks over LMDB (while the table is built; the synchronous baseline).
     def _present_lmdb(self, hashes, start, stop, group):
-        return bytes(self.index.lookup(block_key(h, group)) is not None
-                     for h in hashes[max(0, start):stop])
+        return bytes(not self._dropped(k) and self.index.lookup(k) is not None
+                     for k in (block_key(h, group) for h in hashes[max(0, start):stop]))
 
     def _lookup_hashes_lmdb(self, hashes, start, stop, group):
         keys = [block_key(h, group) for h in hashes[max(0, start):stop]]
@@ -399,7 +417,7 @@ class ServingIndex:
             if len(keys) >= limit:
                 break
             k = block_key(hashes[i], group)
-            if k in skip or self.index.lookup(k) is not None:
+            if k in skip or (not self._dropped(k) and self.index.lookup(k) is not None):
                 continue
             skip.add(k)
             keys.append(k)
@@ -410,7 +428,8 @@ class ServingIndex:
 
     def _count_new_lmdb(self, hashes, start, stop, skip, group):
         return sum(1 for h in hashes[max(0, start):stop]
-                   if (k := block_key(h, group)) not in skip and self.index.lookup(k) is None)
+                   if (k := block_key(h, group)) not in skip
+                   and (self._dropped(k) or self.index.lookup(k) is None))
 
     def pin(self, slots: Iterable[int]) -> None:
         slots = slots if isinstance(slots, list) else list(slots)
@@ -498,20 +517,37 @@ class ServingIndex:
             self._ops.put(TouchBlocksOp(runs))
 
     def drop(self, keys: Sequence[bytes]) -> None:
-        """Remove entries (a load found them bad): no new lookup hits them from now on; a
-        `Dropped` event names the ones LMDB removed."""
+        """Remove entries (a load found them bad): no new lookup hits them from now on,
+        not even from LMDB before the index thread applied the drop; a `Dropped` event
+        names the ones LMDB removed."""
         if not keys:
             return
         keys = list(keys)
         with self._lock:
             self._table.remove_many(keys)
+            self._dropping.update(keys)
         self._ops.put(DropOp(keys))
 
     def drop_all(self) -> None:
         """Every committed entry goes (reset_cache): misses from now on."""
         with self._lock:
             self._table.clear()
+            self._dropping_all += 1
         self._ops.put(DROP_ALL)
+
+    def _dropped(self, key: bytes) -> bool:
+        """A drop of key is asked for and not applied to LMDB yet: LMDB's entry for it
+        must not be served or taken into the table."""
+        return bool(self._dropping_all) or key in self._dropping
+
+    def _undropped(self, entries: list) -> list:
+        """The prefix of LMDB `entries` up to the first one with a drop pending."""
+        if not self._dropping and not self._dropping_all:
+            return entries
+        for i, e in enumerate(entries):
+            if self._dropped(e.key):
+                return entries[:i]
+        return entries
 
     def count_hits(self, hits: int, misses: int) -> None:
         """Add to the store's hit/miss counters. Summed here and handed to the index
@@ -634,18 +670,22 @@ class ServingIndex:
         if not done.wait(timeout):
             raise KVStoreError(f"index thread did not catch up within {timeout:.0f}s")
 
-    def close(self) -> None:
-        """Apply what is queued, give the pool's slots back, stop the thread. Idempotent."""
+    def close(self) -> bool:
+        """Apply what is queued, give the pool's slots back, stop the thread. Idempotent.
+        False when the thread is still busy after the wait (an LMDB write that does not
+        return): the caller must then keep the store open under it."""
         if self._closed:
-            return
+            return not self._thread.is_alive()
         self._closed = True
         self._send_counts()
         self._ops.put(STOP)
-        self._thread.join(timeout=120)
+        self._thread.join(timeout=self.CLOSE_JOIN_S)
         self.index.pause = None
         if self._thread.is_alive():
-            log.error("kvstore: index thread still busy after 120s at shutdown; its "
-                      "reservations are reclaimed at the next open")
+            log.error("kvstore: index thread still busy after %.0fs at shutdown; its "
+                      "reservations are reclaimed at the next open", self.CLOSE_JOIN_S)
+            return False
+        return True
 
     # ------------------------------------------------------------------ index thread
 
@@ -667,6 +707,11 @@ class ServingIndex:
             # (the store's shared slot generations were made complete at open, by
             # `DiskStore`: hits are checked against them from the first lookup)
             self.index.load_keys(self._table)
+            with self._lock:    # drops asked for during the build (applied below)
+                if self._dropping_all:
+                    self._table.clear()
+                elif self._dropping:
+                    self._table.remove_many(list(self._dropping))
         except Exception as exc:  # LMDB lookups stay in use: slower, still correct
             log.error("kvstore: building the lookup table failed (%s); lookups read LMDB", exc)
             self._fail("building the lookup table", exc)
@@ -728,8 +773,12 @@ class ServingIndex:
                             self.index.abort(items)
                         case DropOp(keys):
                             self._drop(keys)
+                            with self._lock:    # applied: LMDB lookups may see them again
+                                self._dropping.difference_update(keys)
                         case DropAllOp():
                             self._drop_all()
+                            with self._lock:
+                                self._dropping_all -= 1
                         case FenceOp(dev, reason, removed):
                             self._fence(dev, reason, removed)
                         case CountNewOp(hashes, start, stop_at, skip, group):

@@ -60,7 +60,7 @@ class KVStoreScheduler:
     index_class = ServingIndex
 
     def __init__(self, cfg: ConnectorConfig, layout, vllm_config, events_enabled: bool,
-                 group_kinds: list[tuple[str, int]] | None = None):
+                 group_kinds: list[tuple[str, int]] | None = None, identity=None):
         self.cfg = cfg
         self.layout = layout
         self.block_size = layout.block_size
@@ -75,7 +75,8 @@ class KVStoreScheduler:
         self._stored_upto_g: dict[str, list[int]] = {}   # hybrid: per-group store cursor
         self.tp_size = layout.tp_size
         ensure_store(cfg.path, layout, cfg.capacity, io_mode=cfg.io_mode, create=cfg.create,
-                     data_dirs=cfg.data_dirs)
+                     data_dirs=cfg.data_dirs, identity=identity,
+                     on_model_change=cfg.on_model_change)
         self.store = DiskStore(cfg.path, layout, sync=cfg.durability != "none")
         self.events_enabled = events_enabled
         sc = vllm_config.scheduler_config
@@ -864,6 +865,7 @@ class KVStoreScheduler:
         return out
 
     def shutdown(self) -> None:
+        index_stopped = True
         try:
             try:
                 abandoned = [x for st in self._inflight_stores.values()
@@ -872,12 +874,15 @@ class KVStoreScheduler:
                 abandoned = [s_ for st in self._inflight_stores.values() for s_ in st.slots]
             if abandoned and not self.store.closed:
                 self.index.abort(abandoned)
-            self.index.close()      # applies queued commits, gives the pool back
+            # applies queued commits, gives the pool back; False: the index thread is
+            # still in an LMDB write, and LMDB stays open under it (it logged why)
+            index_stopped = self.index.close() is not False
         except KVStoreError:
             pass
         finally:
             self._inflight_stores.clear()
-            self.store.close()
+            if index_stopped:
+                self.store.close()
 
 
 def _kinds_of_layout(layout) -> list[tuple[str, int]]:

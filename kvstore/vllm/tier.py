@@ -80,13 +80,14 @@ from kvstore.lookup.events import AnnounceBatch, Committed, Dropped, Evicted, Fa
 from kvstore.lookup.table import ServingIndex
 from kvstore.io.threads import make_thread
 from kvstore.vllm.config import ConnectorConfig
+from kvstore.vllm.identity import identity_of_offload_model
 
 log = logging.getLogger("kvstore.tier")
 
 # The connector's keys that mean the same for the tier (docs/CONFIG.md), and the tier's own.
 STORE_KEYS = ("path", "capacity", "io_mode", "queue_depth", "verify", "durability", "staging",
               "create", "slot_pool", "data_dirs", "device_eio_limit", "device_eio_window_s",
-              "thread_cpus", "io_thread_nice")
+              "thread_cpus", "io_thread_nice", "on_model_change")
 TIER_KEYS = ("enable_kv_events", "locality")
 
 # A store job whose chunks find the slot pool dry waits this long for the index thread to
@@ -184,6 +185,21 @@ def tier_layout(offloading_spec, chunk_bytes: int) -> Layout:
     )
 
 
+def tier_identity(offloading_spec):
+    """The model identity of the engine behind `offloading_spec` (`kvstore.vllm.identity`):
+    its model's weights and config from the name vLLM gives the offloading config, and the
+    engine's vLLM settings when its `VllmConfig` is the current one."""
+    c = offloading_spec.config
+    vllm_config = getattr(offloading_spec, "vllm_config", None)
+    if vllm_config is None:
+        try:
+            from vllm.config import get_current_vllm_config_or_none
+            vllm_config = get_current_vllm_config_or_none()
+        except ImportError:
+            vllm_config = None
+    return identity_of_offload_model(str(c.model.name), vllm_config)
+
+
 def _chunk_fields(kv_layout: str) -> dict[str, str]:
     if not kv_layout.startswith("tier-chunk;"):
         return {}
@@ -234,6 +250,12 @@ class KVStoreTier(SecondaryTierManager):
     """A kvstore store behind vLLM's CPU primary tier. See the module docstring."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
+    # How long `drain_jobs` waits at most for the jobs in flight (a device that stopped
+    # answering must not hang vLLM's reset_cache), and `shutdown` for the tier's threads
+    # to stop before it leaves their rings, store and primary memory alone.
+    DRAIN_TIMEOUT_S: ClassVar[float] = 60.0
+    SHUTDOWN_JOIN_S: ClassVar[float] = 120.0
+    _released = False       # set once shutdown closed the rings and the store
 
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector=None, **options: Any):
@@ -297,9 +319,11 @@ class KVStoreTier(SecondaryTierManager):
 
         try:
             self.layout = tier_layout(offloading_spec, row)
+            self.identity = tier_identity(offloading_spec)
             check_tier_store(cfg.path, self.layout)
             ensure_store(cfg.path, self.layout, cfg.capacity, io_mode=cfg.io_mode,
-                         create=cfg.create, data_dirs=cfg.data_dirs)
+                         create=cfg.create, data_dirs=cfg.data_dirs, identity=self.identity,
+                         on_model_change=cfg.on_model_change)
             self._store = DiskStore(cfg.path, self.layout, sync=cfg.durability != "none")
             cap = self._store.geometry.num_slots
             self.slot_size = self._store.geometry.slot_size
@@ -397,9 +421,22 @@ class KVStoreTier(SecondaryTierManager):
         return out
 
     def drain_jobs(self) -> None:
+        """Wait until every submitted job is reported, DRAIN_TIMEOUT_S at most. Past the
+        bound the jobs still in flight stay unreported (an error names how many): a load
+        still moving writes into its primary chunks, a store still reads from them, so
+        neither may be handed back to vLLM before it ends; each is reported when it
+        does."""
+        deadline = time.monotonic() + self.DRAIN_TIMEOUT_S
         with self._cv:
             while self._outstanding:
-                if not self._cv.wait(timeout=5.0) and self._outstanding:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.error("kvstore tier: %d job(s) still in flight after %.0f s; drain_jobs "
+                              "returns without them (each is reported when its I/O ends; a "
+                              "device that does not answer?)", self._outstanding,
+                              self.DRAIN_TIMEOUT_S)
+                    return
+                if not self._cv.wait(timeout=min(5.0, left)) and self._outstanding:
                     log.warning("kvstore tier: still waiting for %d job(s) to finish",
                                 self._outstanding)
 
@@ -458,19 +495,41 @@ class KVStoreTier(SecondaryTierManager):
     def shutdown(self) -> None:
         """Stop the I/O threads (jobs not started are reported failed; a batch being
         moved finishes, so no I/O touches the primary memory after this returns), apply
-        the queued commits, close the store."""
-        if self.closed:
+        the queued commits, close the store.
+
+        A thread still busy after SHUTDOWN_JOIN_S (a device that does not answer) may
+        still move bytes from or into the primary memory: then the rings, the store and
+        every reference to the primary memory are kept (vLLM keeps a mapping mapped
+        while it is referenced), and an error says so: a leak until the process exits,
+        never I/O into freed memory. Calling shutdown again once the threads ended
+        closes them."""
+        if self._released:
             return
-        self.closed = True
-        self._load_q.put(None)
-        self._store_q.put(None)
+        if not self.closed:
+            self.closed = True
+            self._load_q.put(None)
+            self._store_q.put(None)
+        deadline = time.monotonic() + self.SHUTDOWN_JOIN_S
         for t in self._threads:
-            t.join(timeout=120)
-            if t.is_alive():
-                log.error("kvstore tier: %s still busy after 120 s at shutdown", t.name)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        busy = [t.name for t in self._threads if t.is_alive()]
+        if busy:
+            log.error("kvstore tier: %s still busy after %.0f s at shutdown (a device that "
+                      "does not answer?); leaving its rings, the store and the primary memory "
+                      "open until the process exits", ", ".join(busy), self.SHUTDOWN_JOIN_S)
+            return
+        self._released = True
         self._close_store()
 
     def _close_store(self) -> None:
+        index_stopped = True
+        try:
+            if self._sidx is not None:
+                index_stopped = self._sidx.close() is not False
+        finally:
+            self._close_rest(index_stopped)
+
+    def _close_rest(self, index_stopped: bool) -> None:
         for rio in (self._rio_load, self._rio_store):
             if rio is not None:
                 try:
@@ -479,11 +538,11 @@ class KVStoreTier(SecondaryTierManager):
                     log.warning("kvstore tier: closing a ring failed: %s", exc)
         self._rio_load = self._rio_store = None
         try:
-            if self._sidx is not None:
-                self._sidx.close()
-        finally:
-            if self._store is not None:
+            # An index thread still in an LMDB transaction (it logged why) keeps the
+            # store open: closing LMDB under it would crash the process.
+            if self._store is not None and index_stopped:
                 self._store.close()
+        finally:
             # every reference to the primary memory goes, so that vLLM can unmap it
             self._prim = None
             if self._flat is not None and self._flat is not self._primary_kv_view:
@@ -568,11 +627,38 @@ class KVStoreTier(SecondaryTierManager):
                             self._finish(JobResult(job_id=job.job_id, success=False))
         return stop
 
+    def _loop(self, q, run_batch, what: str) -> None:
+        """An I/O thread: rounds until the stop mark. A round that fails is logged (its
+        jobs were reported by `_serve_queue`) and the next one runs: the thread never
+        dies while jobs may still come."""
+        while True:
+            try:
+                if self._serve_queue(q, run_batch, what):
+                    return
+            except Exception as exc:
+                log.exception("kvstore tier: a %s round failed: %s", what, exc)
+
     def _load_loop(self) -> None:
-        while not self._serve_queue(self._load_q, self._load_batch, "load"):
-            pass
+        self._loop(self._load_q, self._load_batch, "load")
 
     def _load_batch(self, jobs: list[TransferJob], done: set[int]) -> None:
+        """Load a batch of jobs. Whatever fails, every job is reported once (here, or
+        by `_serve_queue` for those not in `done`), and a key whose load failed leaves
+        the tier: a lookup answers MISS from then on, so vLLM does not promote it again
+        at every step."""
+        try:
+            self._load_jobs(jobs, done)
+        except Exception:
+            left = [k for job in jobs if job.job_id not in done for k in job.keys]
+            if left:
+                try:
+                    self._sidx.drop(left)
+                except Exception as exc:   # (the jobs still fail: reported by the caller)
+                    log.warning("kvstore tier: dropping %d chunk(s) of a failed load "
+                                "failed: %s", len(left), exc)
+            raise
+
+    def _load_jobs(self, jobs: list[TransferJob], done: set[int]) -> None:
         t0 = time.perf_counter()
         sidx = self._sidx
         keys: list[bytes] = []
@@ -580,41 +666,53 @@ class KVStoreTier(SecondaryTierManager):
         gens: list[int] = []
         dest: list[int] = []
         plan = []   # (job, keys, positions in the batch or -1 for a miss)
-        for job in jobs:
-            jkeys = list(job.keys)
-            cids = self._chunk_addrs(job)
-            pos = []
-            if cids is not None:
-                for k, c in zip(jkeys, cids.tolist()):
-                    s, g = sidx.lookup_pin([k])     # pinned: no eviction takes it now
-                    if s:
-                        pos.append(len(keys))
-                        keys.append(k)
-                        slots.append(s[0])
-                        gens.append(g[0])
-                        dest.append(c)
-                    else:
-                        pos.append(-1)
-            else:
-                pos = [-1] * len(jkeys)
-            plan.append((job, jkeys, pos))
         errors: list = []
-        if keys:
-            refs = SlotRefs(keys, slots, gens)
-            try:
-                errors = self._read(refs, dest)
-            finally:
+        raised = None
+        try:
+            for job in jobs:
+                jkeys = list(job.keys)
+                cids = self._chunk_addrs(job)
+                pos = []
+                if cids is not None:
+                    for k, c in zip(jkeys, cids.tolist()):
+                        s, g = sidx.lookup_pin([k])     # pinned: no eviction takes it now
+                        if s:
+                            pos.append(len(keys))
+                            keys.append(k)
+                            slots.append(s[0])
+                            gens.append(g[0])
+                            dest.append(c)
+                        else:
+                            pos.append(-1)
+                else:
+                    pos = [-1] * len(jkeys)
+                plan.append((job, jkeys, pos))
+            if keys:
+                try:
+                    errors = self._read(SlotRefs(keys, slots, gens), dest)
+                except Exception as exc:
+                    # (the ring's own failure, or the read's): what reached the primary
+                    # chunks is unknown, so none of the batch is served
+                    raised = exc
+                    errors = [exc] * len(keys)
+        finally:
+            if slots:
                 sidx.unpin(slots)
+        if keys:
             self._check_devices(self._rio_load)
         bad = [keys[i] for i, e in enumerate(errors) if e is not None]
         corrupt = sum(1 for e in errors if isinstance(e, CorruptSlot))
         if bad:
             # never served again: the table forgets them now (lookups miss), LMDB follows
             sidx.drop(bad)
-            for i, e in enumerate(errors):
-                if e is not None:
-                    log.warning("kvstore tier: chunk %s not loaded (%s); dropped",
-                                keys[i][:-4].hex()[:16], e)
+            if raised is not None:
+                log.warning("kvstore tier: a load of %d chunk(s) failed (%s: %s); dropped",
+                            len(keys), type(raised).__name__, raised)
+            else:
+                for i, e in enumerate(errors):
+                    if e is not None:
+                        log.warning("kvstore tier: chunk %s not loaded (%s); dropped",
+                                    keys[i][:-4].hex()[:16], e)
         good_n = len(keys) - len(bad)
         with self._lock:
             self._counts["loaded"] += good_n
@@ -653,9 +751,10 @@ class KVStoreTier(SecondaryTierManager):
 
     # -- stores -------------------------------------------------------------------------
     def _store_loop(self) -> None:
-        while not self._serve_queue(self._store_q, self._store_batch, "store"):
-            pass
-        self._sync_q.put(None)     # the sync thread flushes and commits the rest
+        try:
+            self._loop(self._store_q, self._store_batch, "store")
+        finally:
+            self._sync_q.put(None)     # the sync thread flushes and commits the rest
 
     def _store_batch(self, jobs: list[TransferJob], queued: set[int]) -> None:
         t0 = time.perf_counter()
@@ -682,47 +781,53 @@ class KVStoreTier(SecondaryTierManager):
                 src.append(c)
             plan.append((job, pos, True))
         failed: set[int] = set()
-        slots, gens = [], []
-        if keys:
-            s, g = sidx.take(keys)
-            slots, gens = list(s), list(g)
-            deadline = time.monotonic() + POOL_WAIT_S
-            while len(slots) < len(keys) and not self.closed and time.monotonic() < deadline:
-                # the pool is dry: the index thread refills it (evicting LRU entries)
-                time.sleep(0.0005)
-                s, g = sidx.take(keys[len(slots):])
-                slots += list(s)
-                gens += list(g)
-            if len(slots) < len(keys):
-                failed.update(range(len(slots), len(keys)))
-                with self._lock:
-                    self._counts["dropped"] += len(keys) - len(slots)
-            n = len(slots)
-            if n:
-                refs = SlotRefs(keys[:n], slots, gens)
-                try:
-                    errors = self._write(refs, src[:n])
-                except BaseException:
-                    sidx.abort(list(zip(keys[:n], slots, gens)))
-                    raise
-                self._check_devices(self._rio_store)
-                bad = [i for i, e in enumerate(errors) if e is not None]
-                for i in bad:
-                    log.warning("kvstore tier: writing chunk %s failed (%s)",
-                                keys[i][:-4].hex()[:16], errors[i])
-                failed.update(bad)
-                with self._lock:
-                    self._counts["written"] += (n - len(bad)) * self.row
-                    self._counts["dropped"] += len(bad)
+        slots: list[int] = []
+        gens: list[int] = []
         batch = _Batch([], keys, failed, t0)
         batch.jobs = plan
+        try:
+            # Slots taken here are this thread's until the sync thread has the batch:
+            # whatever fails before, they go back (and the jobs fail, `_serve_queue`).
+            if keys:
+                s, g = sidx.take(keys)
+                slots += list(s)
+                gens += list(g)
+                deadline = time.monotonic() + POOL_WAIT_S
+                while len(slots) < len(keys) and not self.closed and time.monotonic() < deadline:
+                    # the pool is dry: the index thread refills it (evicting LRU entries)
+                    time.sleep(0.0005)
+                    s, g = sidx.take(keys[len(slots):])
+                    slots += list(s)
+                    gens += list(g)
+                if len(slots) < len(keys):
+                    failed.update(range(len(slots), len(keys)))
+                    with self._lock:
+                        self._counts["dropped"] += len(keys) - len(slots)
+                n = len(slots)
+                if n:
+                    errors = self._write(SlotRefs(keys[:n], slots, gens), src[:n])
+                    self._check_devices(self._rio_store)
+                    bad = [i for i, e in enumerate(errors) if e is not None]
+                    for i in bad:
+                        log.warning("kvstore tier: writing chunk %s failed (%s)",
+                                    keys[i][:-4].hex()[:16], errors[i])
+                    failed.update(bad)
+                    with self._lock:
+                        self._counts["written"] += (n - len(bad)) * self.row
+                        self._counts["dropped"] += len(bad)
+            n = len(slots)
+            if n:
+                self._storing.update(keys[:n])
+                # flushed and committed by the sync thread while this one writes the next
+                # batch; from here its jobs are the sync thread's to report
+                self._sync_q.put((batch, keys[:n], slots, gens))
+        except BaseException:
+            if slots:
+                self._storing.difference_update(keys[:len(slots)])
+                sidx.abort(list(zip(keys[:len(slots)], slots, gens)))
+            raise
         queued.update(job.job_id for job, _, _ in plan)
-        n = len(slots)
-        if n:
-            self._storing.update(keys[:n])
-            # flushed and committed by the sync thread while this one writes the next batch
-            self._sync_q.put((batch, keys[:n], slots, gens))
-        else:
+        if not slots:
             self._complete(batch, None)
 
     def _sync_loop(self) -> None:
@@ -734,45 +839,85 @@ class KVStoreTier(SecondaryTierManager):
         flushes); a batch's chunks are committed only once their file is flushed, and a
         failed flush fails every chunk of its file. A committed batch's jobs are reported
         here, within a millisecond of the commit (not after the store thread's next
-        write)."""
-        rio = self._rio_store
-        durable = self.cfg.durability != "none"
+        write).
+
+        A round that fails (anything but a failed flush, which fails only its file's
+        chunks) fails the batches it had not handed to the index thread yet: their
+        reservations go back, their jobs are reported failed, once; the thread goes on
+        with the next round."""
         while True:
             # commits in flight: come back soon for their outcome
             items, stop = self._take(self._sync_q, 0.001 if self._batches else 0.05)
-            if items and durable:
-                fds_of = []
-                touched: set[int] = set()
-                for batch, keys, slots, gens in items:
-                    ok = [i for i in range(len(keys)) if i not in batch.failed]
-                    fds = rio._locate([slots[i] for i in ok])[0].tolist() if ok else []
-                    fds_of.append((ok, fds))
-                    touched.update(fds)
-                bad: dict[int, OSError] = {}
-                for fd in sorted(touched):
-                    try:
-                        os.fdatasync(fd)
-                    except OSError as exc:
-                        bad[fd] = exc
-                for (batch, keys, _, _), (ok, fds) in zip(items, fds_of):
-                    for i, fd in zip(ok, fds):
-                        if fd in bad:
-                            batch.failed.add(i)
-                            log.warning("kvstore tier: flushing chunk %s failed (%s)",
-                                        keys[i][:-4].hex()[:16], bad[fd])
+            handed: set[int] = set()        # ids of the items the index thread has
+            try:
+                self._sync_round(items, handed)
+            except Exception as exc:
+                log.exception("kvstore tier: flushing or committing %d store batch(es) "
+                              "failed: %s", len(items) - len(handed), exc)
+                for item in items:
+                    if id(item) not in handed:
+                        self._fail_written(item, exc)
+            try:
+                self._poll_index()
+                if stop:
+                    if self._batches:
+                        try:
+                            self._sidx.flush(timeout=60.0)   # the commits in flight are applied
+                        except KVStoreError as exc:
+                            self._warn("the last commits", exc)
+                        self._poll_index()
+                    return
+            except Exception as exc:
+                log.exception("kvstore tier: taking the index thread's outcomes failed: %s",
+                              exc)
+                if stop:
+                    return
+
+    def _sync_round(self, items: list, handed: set[int]) -> None:
+        """Flush the written batches `items` (one fdatasync per slot file) and hand their
+        commits to the index thread; `handed` gets the id of each item handed."""
+        if not items:
+            return
+        if self.cfg.durability != "none":
+            rio = self._rio_store
+            fds_of = []
+            touched: set[int] = set()
             for batch, keys, slots, gens in items:
-                self._batches += 1
-                self._sidx.commit_blocks(keys, slots, gens, sorted(batch.failed & set(range(len(keys)))),
-                                         tag=batch, keys_back=self._events_on)
-            self._poll_index()
-            if stop:
-                if self._batches:
-                    try:
-                        self._sidx.flush(timeout=60.0)   # the commits in flight are applied
-                    except KVStoreError as exc:
-                        self._warn("the last commits", exc)
-                    self._poll_index()
-                return
+                ok = [i for i in range(len(keys)) if i not in batch.failed]
+                fds = rio._locate([slots[i] for i in ok])[0].tolist() if ok else []
+                fds_of.append((ok, fds))
+                touched.update(fds)
+            bad: dict[int, OSError] = {}
+            for fd in sorted(touched):
+                try:
+                    os.fdatasync(fd)
+                except OSError as exc:
+                    bad[fd] = exc
+            for (batch, keys, _, _), (ok, fds) in zip(items, fds_of):
+                for i, fd in zip(ok, fds):
+                    if fd in bad:
+                        batch.failed.add(i)
+                        log.warning("kvstore tier: flushing chunk %s failed (%s)",
+                                    keys[i][:-4].hex()[:16], bad[fd])
+        for item in items:
+            batch, keys, slots, gens = item
+            self._sidx.commit_blocks(keys, slots, gens,
+                                     sorted(batch.failed & set(range(len(keys)))),
+                                     tag=batch, keys_back=self._events_on)
+            self._batches += 1
+            handed.add(id(item))
+
+    def _fail_written(self, item, exc: Exception) -> None:
+        """A written batch that never reached the index thread: its reservations go
+        back (nothing of it is committed) and its jobs are reported failed."""
+        batch, keys, slots, gens = item
+        self._storing.difference_update(keys)
+        try:
+            self._sidx.abort(list(zip(keys, slots, gens)))
+        except Exception as abort_exc:     # (reclaimed at the next open)
+            log.warning("kvstore tier: giving back %d reserved slot(s) failed: %s",
+                        len(keys), abort_exc)
+        self._complete(batch, exc)
 
     def _write(self, refs: SlotRefs, src: list[int]) -> list:
         rio, row = self._rio_store, self.row
@@ -798,9 +943,16 @@ class KVStoreTier(SecondaryTierManager):
 
     def _poll_index(self) -> None:
         for ev in self._sidx.poll():
-            if isinstance(ev, Committed):
-                batch = ev.tag
-                self._batches -= 1
+            try:
+                self._index_event(ev)
+            except Exception as exc:    # the next events are still taken
+                log.exception("kvstore tier: handling %s failed: %s", type(ev).__name__, exc)
+
+    def _index_event(self, ev) -> None:
+        if isinstance(ev, Committed):
+            batch = ev.tag
+            self._batches -= 1
+            try:
                 self._storing.difference_update(batch.keys)
                 if ev.error is not None:
                     self._warn("a commit", ev.error)
@@ -808,20 +960,21 @@ class KVStoreTier(SecondaryTierManager):
                     self._events.append(OffloadingEvent(
                         keys=[k for k, _, _ in ev.items], medium=self.medium, removed=False,
                         locality=self.locality))
+            finally:
                 self._complete(batch, ev.error)
-            elif isinstance(ev, (Evicted, Dropped)):
-                if isinstance(ev, Evicted):
-                    with self._lock:
-                        self._counts["evicted"] += ev.count or len(ev.keys)
-                if self._events_on and ev.keys:
-                    self._events.append(OffloadingEvent(
-                        keys=list(ev.keys), medium=self.medium, removed=True,
-                        locality=self.locality))
-            elif isinstance(ev, AnnounceBatch):
-                self._events.extend(ev.events)
-                self._events.append(_ANNOUNCED)
-            elif isinstance(ev, Failed):
-                self._warn(ev.what, ev.error)
+        elif isinstance(ev, (Evicted, Dropped)):
+            if isinstance(ev, Evicted):
+                with self._lock:
+                    self._counts["evicted"] += ev.count or len(ev.keys)
+            if self._events_on and ev.keys:
+                self._events.append(OffloadingEvent(
+                    keys=list(ev.keys), medium=self.medium, removed=True,
+                    locality=self.locality))
+        elif isinstance(ev, AnnounceBatch):
+            self._events.extend(ev.events)
+            self._events.append(_ANNOUNCED)
+        elif isinstance(ev, Failed):
+            self._warn(ev.what, ev.error)
 
     def _announce(self, keys: list[bytes]) -> list:
         """Index thread, after a restart: the chunks found on disk, as BlockStored."""

@@ -63,11 +63,13 @@ class _LoadState:
 class KVStoreWorker:
     """Per-rank worker-side state of the connector (see module docstring)."""
 
-    def __init__(self, cfg: ConnectorConfig, layout, rank: int, kv_caches, kv_cache_config):
+    def __init__(self, cfg: ConnectorConfig, layout, rank: int, kv_caches, kv_cache_config,
+                 identity=None):
         self.cfg = cfg
         self.rank = rank
         ensure_store(cfg.path, layout, cfg.capacity, io_mode=cfg.io_mode, create=cfg.create,
-                     data_dirs=cfg.data_dirs)
+                     data_dirs=cfg.data_dirs, identity=identity,
+                     on_model_change=cfg.on_model_change)
         self.io = RankIO(cfg.path, rank, layout=layout, io_mode=cfg.io_mode,
                          queue_depth=cfg.queue_depth, staging_bytes=cfg.staging_bytes,
                          eio_limit=cfg.device_eio_limit, eio_window_s=cfg.device_eio_window_s,
@@ -240,20 +242,49 @@ class KVStoreWorker:
             if item is None:
                 return
             jobs = 1
+            states: list = []
             try:
-                if item[0] == "store":
-                    self._do_store(*item[1:])
-                elif item[0] == "release":
-                    self._release_staging(*item[1:])
+                if item[0] in ("store", "release"):
+                    self._run_store_item(item)
                 else:
                     states = self._more_loads([item[1]])
                     jobs = len(states)
                     self._do_load(states)
             except Exception as exc:  # a bug must not kill the I/O thread silently
                 log.exception("kvstore rank %d: I/O job failed: %s", self.rank, exc)
+                self._fail_unfinished(states)
             finally:
                 with self._lock:
                     self._outstanding -= jobs
+
+    def _run_store_item(self, item) -> None:
+        """A queued store or staging release. A store that raises (rather than failing
+        its blocks) is reported with every block failed, so that the scheduler never
+        waits for it (its report is the last thing `_do_store` makes)."""
+        if item[0] == "release":
+            self._release_staging(*item[1:])
+            return
+        try:
+            self._do_store(*item[1:])
+        except Exception as exc:
+            log.exception("kvstore rank %d: store job failed: %s", self.rank, exc)
+            job = item[1]
+            self._report_store(job.job_id, list(range(len(job.block_ids))))
+
+    def _fail_unfinished(self, states: list) -> None:
+        """Loads of a pass that raised outside its read: those not reported yet fail now
+        (vLLM recomputes them) instead of at their timeout. None of them has a copy into
+        the KV cache in flight: copies start and end inside the read."""
+        for st in states:
+            if not st.done:
+                st.io_failed.update(range(len(st.job.block_ids)))
+                st.left = 0
+                self._finish_load(st)
+        try:
+            self._release_unused_tickets(states)
+        except Exception as exc:
+            log.warning("kvstore rank %d: releasing the ordering tickets of a failed load "
+                        "pass failed: %s", self.rank, exc)
 
     def _next_queued(self, *kinds: str):
         """The job at the head of the queue if it is of one of `kinds` (taken), else None
@@ -284,10 +315,7 @@ class KVStoreWorker:
         stays queued."""
         while (item := self._next_queued("store", "release")) is not None:
             try:
-                if item[0] == "release":
-                    self._release_staging(*item[1:])
-                else:
-                    self._do_store(*item[1:])
+                self._run_store_item(item)
             finally:
                 with self._lock:
                     self._outstanding -= 1

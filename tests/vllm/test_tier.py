@@ -526,7 +526,7 @@ def test_unaligned_primary_goes_through_staging(tmp_path):
     """Primary memory that O_DIRECT cannot use directly (here: not 4096-aligned) moves
     through kvstore's staging memory, with the same bytes and the same verification."""
     spec = TieringOffloadingSpec(make_config({"cpu_bytes_to_use": 16 * ROW}))
-    backing = np.zeros(8 * ROW + 4096, dtype=np.uint8)
+    backing = np.zeros(8 * ROW + 8192, dtype=np.uint8)
     base = backing.__array_interface__["data"][0]
     start = (-base) % 4096 + 512                     # 512 bytes past a page boundary
     prim = backing[start:start + 8 * ROW].reshape(8, ROW).view(np.int8)
