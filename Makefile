@@ -11,6 +11,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvstore-installed
+# The liburing binding's wheel, built once from its sdist (see $(STAMP))
+LIBURING_WHEELS := $(VENV)/wheels
 
 .PHONY: all build engine demo test test-fast bench wheel clean
 
@@ -53,9 +55,13 @@ $(STAMP): pyproject.toml setup.py tools/vllm_env.py tools/engine_env.py | $(SYSD
 	$(if $(wildcard $(PY)),,$(call check_disk,$(NEED_GIB)))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
-	# Build requirements first, so the extension build below can skip isolation (the
-	# liburing sdist compiles its bundled C library once, not twice).
-	$(PIP) install -q "liburing==2024.5.3" "Cython>=3.0,<3.1" "numpy>=1.26"
+	# The liburing binding is an sdist on PyPI (its build compiles the bundled C library,
+	# minutes here): built into a wheel once, in $(LIBURING_WHEELS), which this install,
+	# .venv-engine's (tools/engine_env.py) and the user wheel (tools/build_wheel.py) reuse.
+	test -n "$$(ls $(LIBURING_WHEELS)/liburing-2024.5.3-*.whl 2>/dev/null)" || \
+	  $(PIP) wheel -q --no-deps -w $(LIBURING_WHEELS) "liburing==2024.5.3"
+	# Build requirements first, so the extension build below can skip isolation.
+	$(PIP) install -q --find-links $(LIBURING_WHEELS) "liburing==2024.5.3" "Cython>=3.0,<3.1" "numpy>=1.26"
 	# vLLM 0.33.0 (CUDA build); on a machine without a GPU, without its GPU kernel packages.
 	$(PYTHON) tools/vllm_env.py $(VENV)
 	$(PIP) install -q --no-build-isolation -e ".[test,bench]"

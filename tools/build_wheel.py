@@ -27,7 +27,9 @@ kvstore's wheel is built with this Python and its installed build requirements (
 .venv has them), without build isolation, from a copy of the source tree (the files git
 tracks or would track), so the checkout's build/ and its in-place extensions are never
 touched. The liburing wheel depends only on its pinned version and the Python: one already
-in OUT for this Python is kept (`--rebuild-liburing` builds it again; it takes minutes).
+in OUT for this Python is kept, and one `make` built from the sdist for this venv
+(`<venv>/wheels`) is repaired rather than built again (`--rebuild-liburing` builds it
+from the sdist; it takes minutes).
 """
 from __future__ import annotations
 
@@ -110,9 +112,14 @@ def build_liburing(out: str, tmp: str, rebuild: bool) -> str:
         return have[0]
     for w in have:
         os.unlink(w)
-    raw = os.path.join(tmp, "liburing-raw")
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w", raw, LIBURING])
-    (wheel,) = glob.glob(os.path.join(raw, "liburing-*.whl"))
+    # The wheel `make` built from the sdist for this venv (sys.prefix/wheels), else build it.
+    built = glob.glob(os.path.join(sys.prefix, "wheels", f"liburing-2024.5.3-{python_tag()}-*.whl"))
+    if built and not rebuild:
+        wheel = built[0]
+    else:
+        raw = os.path.join(tmp, "liburing-raw")
+        run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w", raw, LIBURING])
+        (wheel,) = glob.glob(os.path.join(raw, "liburing-*.whl"))
     if "manylinux" in wheel:          # the index had a manylinux wheel already
         return shutil.copy2(wheel, out)
     return repair(wheel, out)

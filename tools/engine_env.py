@@ -153,7 +153,9 @@ def drop_unused_triton(py: str) -> None:
 
 
 def install_kvstore(py: str) -> None:
-    pip(py, *KVSTORE_BUILD)
+    # The liburing binding's wheel `make` built once for .venv (the same Python), if there.
+    wheels = REPO / ".venv" / "wheels"
+    pip(py, *(["--find-links", str(wheels)] if wheels.is_dir() else []), *KVSTORE_BUILD)
     # Editable, as in the main venv: the engine runs the working tree's kvstore. The build
     # (both venvs are the same Python) writes the same in-place extension modules.
     pip(py, "--no-build-isolation", "--no-deps", "-e", str(REPO))
