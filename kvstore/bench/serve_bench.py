@@ -52,7 +52,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.bench import scratch_dir
-from kvstore.bench.ttft_bench import _pct, tier_systems  # the same percentile, tier configs
+from kvstore.bench.ttft_bench import percentile, tier_systems  # the same percentile, tier configs
 from kvstore.errors import ConfigError
 from kvstore.drivers.client import Client
 from kvstore.drivers.models import SPECS, default_dir, words
@@ -294,9 +294,9 @@ class Bench:
         ms = lambda x: None if x is None else x * 1000   # noqa: E731
         return {"requests": len(comps), "duration_s": dur, "throughput_rps": len(comps) / dur,
                 "output_tps": sum(len(c.token_ids) for c in comps) / dur,
-                "ttft_p50_ms": ms(_pct(ttft, 0.5)), "ttft_p90_ms": ms(_pct(ttft, 0.9)),
-                "ttft_p99_ms": ms(_pct(ttft, 0.99)), "itl_p50_ms": ms(_pct(itl, 0.5)),
-                "itl_p99_ms": ms(_pct(itl, 0.99)), "client": "kvstore.drivers.client (openai), query round"}, before
+                "ttft_p50_ms": ms(percentile(ttft, 0.5)), "ttft_p90_ms": ms(percentile(ttft, 0.9)),
+                "ttft_p99_ms": ms(percentile(ttft, 0.99)), "itl_p50_ms": ms(percentile(itl, 0.5)),
+                "itl_p99_ms": ms(percentile(itl, 0.99)), "client": "kvstore.drivers.client (openai), query round"}, before
 
     def phase(self, server: VLLMServer, wl: str, phase_i: int) -> dict:
         if wl == "doc_qa":        # the query round only, server counters included

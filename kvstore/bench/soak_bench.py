@@ -89,7 +89,7 @@ def run(requests: int = 20000, interval: int = 2000, capacity: str = "16M", batc
                     "disk_hit_tokens": h.stats["external_hit_tokens"],
                     "gpu_hit_tokens": h.stats["local_hit_tokens"],
                     "disk_hit_rate": h.stats["external_hit_tokens"] / max(1, prompt_tokens),
-                    "rejected_blocks": sched._admission.rejected if sched._admission else 0}
+                    "rejected_blocks": sched.admission_rejected}
     warm = samples[len(samples) // 2:] if len(samples) >= 2 else samples
     rss_growth = warm[-1]["rss_mb"] - warm[0]["rss_mb"] if warm else 0.0
     fd_growth = warm[-1]["fds"] - warm[0]["fds"] if warm else 0

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from kvstore._keytable import keys_with_packed, make_keys, pin_counts_add, pin_counts_remove
 from kvstore.errors import KVStoreError, StoreFull
 from kvstore.lookup.events import Counted, Dropped, Evicted
-from kvstore.lookup.table import ServingIndex, _packed, _packed_plan, _split_failed
+from kvstore.lookup.table import ServingIndex, packed_hit, packed_plan, split_failed
 from kvstore.store.disk import DiskStore
 
 
@@ -44,7 +44,7 @@ class SyncServingIndex(ServingIndex):
         self.lease = None
         self.reclaimed = self.cross_hits = 0
         self._hits = self._misses = 0       # `count_hits` counts at once: none held back
-        self.index = store._writable()
+        self.index = store.writable_index()
         self.capacity = self.index.capacity_slots
         self.ndev = store.geometry.num_devices
         self.fences = self.index.set_devices(self.ndev)
@@ -97,14 +97,14 @@ class SyncServingIndex(ServingIndex):
         return self.index.lookup(key) is not None
 
     def lookup_hashes(self, hashes, start, stop, group=0, packed=False):
-        return _packed(self._lookup_hashes_lmdb(hashes, start, stop, group), packed)
+        return packed_hit(self._lookup_hashes_lmdb(hashes, start, stop, group), packed)
 
     def present(self, hashes, start, stop, group=0):
         return self._present_lmdb(hashes, start, stop, group)
 
     def plan_new(self, hashes, start, stop, block_ids, skip, limit, group=0, packed=False):
         keys, bids, idx = self._plan_new_lmdb(hashes, start, stop, block_ids, skip, limit, group)
-        return _packed_plan(hashes, keys, bids, idx, packed)
+        return packed_plan(hashes, keys, bids, idx, packed)
 
     def count_dropped(self, hashes, start, stop, skip, group=0):
         self._post(Counted(count=self._count_new_lmdb(hashes, start, stop, skip, group)))
@@ -130,7 +130,7 @@ class SyncServingIndex(ServingIndex):
                       release=None):
         keys = keys_with_packed(keys, packed)
         self._queued += 1
-        self._commit(*_split_failed(keys, slots, gens, failed), tag, keys, keys_back, release)
+        self._commit(*split_failed(keys, slots, gens, failed), tag, keys, keys_back, release)
 
     def _retry_abort(self, items):
         try:

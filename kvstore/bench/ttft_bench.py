@@ -82,7 +82,7 @@ def tier_systems(workdir: str, engine: str) -> dict[str, dict]:
     }
 
 
-def _pct(xs, q):
+def percentile(xs, q):
     xs = sorted(xs)
     if not xs:
         return None
@@ -195,10 +195,10 @@ def summarize(res: dict) -> dict:
     for n, r in res.items():
         d = {}
         for k in ("cold", "gpu_hit", "tier_hit", "restart_hit"):
-            d[f"{k}_p50_s"] = _pct(r[k], 0.5)
-            d[f"{k}_p99_s"] = _pct(r[k], 0.99)
-        d["tier_hit_tokens_p50"] = _pct(r["tier_hit_tokens"], 0.5)
-        d["restart_hit_tokens_p50"] = _pct(r["restart_hit_tokens"], 0.5)
+            d[f"{k}_p50_s"] = percentile(r[k], 0.5)
+            d[f"{k}_p99_s"] = percentile(r[k], 0.99)
+        d["tier_hit_tokens_p50"] = percentile(r["tier_hit_tokens"], 0.5)
+        d["restart_hit_tokens_p50"] = percentile(r["restart_hit_tokens"], 0.5)
         if d["cold_p50_s"] and d["restart_hit_p50_s"]:
             d["restart_speedup"] = d["cold_p50_s"] / d["restart_hit_p50_s"]
         row[n] = d

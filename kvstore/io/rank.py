@@ -65,6 +65,16 @@ def device_fault_reason(err: int) -> str:
     return "readonly" if err == errno.EROFS else "io_error"
 
 
+FENCE_REASONS = ("io_error", "missing", "readonly", "foreign")
+
+
+def fence_reason_of(failure: str) -> str:
+    """The fence reason of a `RankIO.failed` text ("REASON: detail", as the worker also
+    reports it to the scheduler): one of FENCE_REASONS, "io_error" for anything else."""
+    reason = str(failure).split(":", 1)[0]
+    return reason if reason in FENCE_REASONS else "io_error"
+
+
 def _host_array(x):
     """A CPU torch tensor as the numpy array sharing its memory; anything else unchanged.
     Device memory is refused: the ring can only move host memory."""
@@ -126,7 +136,7 @@ def _view_at(addr: int, nbytes: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
 
 
-def _check_choice(name, value, choices):
+def check_choice(name, value, choices):
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not valid; choose one of {', '.join(choices)}")
 
@@ -147,7 +157,7 @@ class RankIO:
                  missing_ok: bool = False, eio_limit: int = EIO_LIMIT,
                  eio_window_s: float = EIO_WINDOW_S, thread_cpus: frozenset[int] | None = None,
                  thread_nice: int = 0):
-        _check_choice("io_mode", io_mode, IO_MODES)
+        check_choice("io_mode", io_mode, IO_MODES)
         if missing_ok and not readonly:
             raise ConfigError("RankIO: missing_ok=True is only for readonly openers (fsck)")
         stored, geo, doc = read_fingerprint(store_dir)
@@ -565,7 +575,7 @@ class RankIO:
     def slot_view(self, i: int) -> np.ndarray:
         return self.staging.slot_view(i)
 
-    def _locate(self, slots: Sequence[int]):
+    def locate(self, slots: Sequence[int]):
         """(fds, offsets, devices) of global slots: slot s is local slot s // ndev of
         device s % ndev (the slot itself on device 0 for a single-directory store)."""
         s = np.asarray(slots, dtype=np.int64)
@@ -682,7 +692,7 @@ class RankIO:
         are started on the device streams at once and move while the caller goes on (the
         caller must call result(), and keep the memory untouched until then)."""
         keys, slots, gens = ref_parts(refs)
-        fds, offs, devs = self._locate(slots)
+        fds, offs, devs = self.locate(slots)
         io_len = self.slot_size - HEADER_SIZE
         align = HEADER_SIZE if self._direct else 1
         hdr_addrs = np.asarray(hdr_addrs, dtype=np.uint64)
@@ -792,7 +802,7 @@ class RankIO:
         an error: a failed slot's staging bytes must not be used).
         """
         self._check_open()
-        _check_choice("verify", verify, VERIFY_MODES)
+        check_choice("verify", verify, VERIFY_MODES)
         check_payload = verify == "checksum"
         errors: list[Exception | None] = [None] * len(refs)
         if not refs:
@@ -935,7 +945,7 @@ class RankIO:
         this returns.
         """
         self._check_open()
-        _check_choice("verify", verify, VERIFY_MODES)
+        check_choice("verify", verify, VERIFY_MODES)
         step = min(len(a) for a in areas)
         plan = [(start, min(len(refs), start + step), areas[k % len(areas)][:step])
                 for k, start in enumerate(range(0, len(refs), step))]
@@ -1135,7 +1145,7 @@ class RankIO:
         caller's bytes for a failed block are undefined and must not be used.
         """
         self._check_open()
-        _check_choice("verify", verify, VERIFY_MODES)
+        check_choice("verify", verify, VERIFY_MODES)
         check_payload = verify == "checksum"
         errors: list[Exception | None] = [None] * len(refs)
         for start, stop, hdrs, pays in self._caller_chunks(refs, payloads, writable=True):
@@ -1179,7 +1189,7 @@ class RankIO:
         writable). None per verified block, else its OSError or CorruptSlot: the bytes at
         a failed block's address are undefined and must not be used."""
         self._check_open()
-        _check_choice("verify", verify, VERIFY_MODES)
+        check_choice("verify", verify, VERIFY_MODES)
         addrs = self._check_addrs(addrs, len(refs))
         check_payload = verify == "checksum"
         errors: list[Exception | None] = [None] * len(refs)
@@ -1202,7 +1212,7 @@ class RankIO:
         stage_np = self.staging.numpy()
         for start in range(0, len(slots), step):
             chunk = list(slots[start:start + step])
-            fds, offs, devs = self._locate(chunk)
+            fds, offs, devs = self.locate(chunk)
             n = len(chunk)
             addrs = self.staging.address + np.arange(n, dtype=np.uint64) * np.uint64(HEADER_SIZE)
             res = self._ring_submit(OP_READ, fds, offs, addrs, np.full(n, HEADER_SIZE, np.uint32), devs)
@@ -1241,7 +1251,7 @@ class RankIO:
 
         def ring_op(k):
             chunk = slots[k * per:(k + 1) * per]
-            fds, offs, devs = self._locate(chunk)
+            fds, offs, devs = self.locate(chunk)
             addrs = self.staging.address + (np.arange(base(k), base(k) + len(chunk), dtype=np.uint64)
                                             * np.uint64(self.slot_size))
             return self._ring_submit(OP_READ, fds, offs, addrs, lens[:len(chunk)], devs)

@@ -85,7 +85,7 @@ def _empty_pool() -> tuple[array.array, array.array]:
     return array.array("I"), array.array("Q")
 
 
-def _packed(hit: tuple, packed: bool) -> tuple:
+def packed_hit(hit: tuple, packed: bool) -> tuple:
     """A (keys, slots, generations) hit made of lists, as `lookup_hashes(packed=...)`
     returns it."""
     if not packed:
@@ -93,7 +93,7 @@ def _packed(hit: tuple, packed: bool) -> tuple:
     return None, array.array("I", hit[1]), array.array("Q", hit[2])
 
 
-def _packed_plan(hashes: list, keys: list, bids: list, idx: list, packed: bool) -> tuple:
+def packed_plan(hashes: list, keys: list, bids: list, idx: list, packed: bool) -> tuple:
     """A store plan made of lists, as `plan_new(packed=...)` returns it: with `packed`,
     vLLM's hash objects instead of keys and the block indices as an array('I')."""
     if not packed:
@@ -122,7 +122,7 @@ class Items(Columns):
         return isinstance(other, Sequence) and list(self) == list(other)
 
 
-def _split_failed(keys, slots, gens, failed) -> tuple[Items, Items]:
+def split_failed(keys, slots, gens, failed) -> tuple[Items, Items]:
     """(good, bad) items of parallel lists; `failed` holds the indices of the bad ones."""
     if not failed:
         return Items(keys, slots, gens), Items([], [], [])
@@ -158,7 +158,7 @@ class ServingIndex:
         # waiting for the step thread (`announced` gives one back).
         self._announce = announce
         self._announce_room = threading.Semaphore(2)
-        self.index = store._writable()
+        self.index = store.writable_index()
         self.capacity = self.index.capacity_slots
         # Failed devices (a store over several data directories): their slots are fenced
         # in the index (never reserved or committed) and their entries are gone.
@@ -269,7 +269,7 @@ class ServingIndex:
         With `packed`: (None, array('I') slots, array('Q') generations), no Python object
         per block (the hit's keys are hashes[start:start + len(slots)] + group)."""
         if not self._ready:
-            return _packed(self._lookup_hashes_lmdb(hashes, start, stop, group), packed)
+            return packed_hit(self._lookup_hashes_lmdb(hashes, start, stop, group), packed)
         with self._lock:    # found and pinned in one C walk
             keys, slots, gens = self._table.prefix_of(hashes, start, stop, group, True, packed)
             stop = min(stop, len(hashes))
@@ -381,7 +381,7 @@ class ServingIndex:
         if not self._ready:
             keys, bids, idx = self._plan_new_lmdb(hashes, start, stop, block_ids, skip,
                                                   limit, group)
-            return _packed_plan(hashes, keys, bids, idx, packed)
+            return packed_plan(hashes, keys, bids, idx, packed)
         with self._lock:
             return self._table.plan_new(hashes, start, stop, block_ids, skip, limit, group,
                                         packed)
@@ -820,7 +820,7 @@ class ServingIndex:
         except Exception as exc:    # (the walk made them: no memory)
             self._unkeyed(op.slots, op.tag, exc, op.packed)
             return
-        self._commit(*_split_failed(keys, op.slots, op.gens, op.failed), op.tag, keys,
+        self._commit(*split_failed(keys, op.slots, op.gens, op.failed), op.tag, keys,
                      op.keys_back, op.release)
 
     def _announce_next(self, batches):

@@ -37,7 +37,7 @@ from kvstore.format.layout import (
 
 from kvstore.io.iostats import create_iostats
 from kvstore.io.paths import rank_dir, slot_file_path  # noqa: F401  (public here too)
-from kvstore.io.rank import IO_MODES, RankIO, _check_choice
+from kvstore.io.rank import IO_MODES, RankIO, check_choice
 from kvstore.io.records import SlotRef  # noqa: F401  (public here too)
 from kvstore.io.datadirs import (  # noqa: F401  (probe_data_dir and DATA_MARKER are public here too)
     DATA_MARKER, check_data_dir, check_dir, check_distinct_dirs, check_free_space, claim_data_dir,
@@ -145,7 +145,7 @@ class DiskStore:
                  io: bool = False, io_mode: str = "direct", queue_depth: int = 32,
                  staging_bytes: int = 64 << 20, sync: bool = True, data_dirs=None,
                  exclusive: bool = False, kind: str = "engine"):
-        _check_choice("io_mode", io_mode, IO_MODES)
+        check_choice("io_mode", io_mode, IO_MODES)
         self.path = os.path.abspath(path)
         self.readonly = readonly
         self._pid = os.getpid()
@@ -332,7 +332,9 @@ class DiskStore:
             raise StoreClosed(f"store {self.path} is closed")
         return self.index
 
-    def _writable(self) -> Index:
+    def writable_index(self) -> Index:
+        """The store's LMDB index for writing (KVStoreError if the store is read-only):
+        the serving index's thread writes through it."""
         idx = self._idx()
         if self.readonly:
             raise KVStoreError(f"store {self.path} is open read-only")
@@ -387,11 +389,11 @@ class DiskStore:
     def reserve(self, keys: Sequence[bytes]) -> tuple[list[SlotRef], list[Entry]]:
         """Reserve one slot per new key, evicting LRU unpinned entries; StoreFull if impossible."""
         if self.lease is None:
-            items, evicted = self._writable().reserve(list(keys), self._pins.keys())
+            items, evicted = self.writable_index().reserve(list(keys), self._pins.keys())
             return [SlotRef(k, s, g) for k, s, g in items], evicted
         self.lease.reap(self._reclaim)  # a dead engine's pins and reservations go first
         claim = _SharedClaim(self._pins.keys(), self.lease)
-        items, evicted = self._writable().reserve(list(keys), claim)
+        items, evicted = self.writable_index().reserve(list(keys), claim)
         return [SlotRef(k, s, g) for k, s, g in items], evicted
 
     def commit(self, refs: Sequence[SlotRef]) -> None:
@@ -399,20 +401,20 @@ class DiskStore:
         items = [(r.key, r.slot, r.generation) for r in refs]
         # (the index publishes the new entries' generations to the other engines inside
         # the commit's transaction)
-        self._writable().commit(items)
+        self.writable_index().commit(items)
 
     def abort(self, refs: Sequence[SlotRef]) -> None:
         """Give reserved slots back (the write failed or was cancelled)."""
-        self._writable().abort([(r.key, r.slot, r.generation) for r in refs])
+        self.writable_index().abort([(r.key, r.slot, r.generation) for r in refs])
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark a hit prefix most recently used."""
         if keys:
-            self._writable().touch(list(keys))
+            self.writable_index().touch(list(keys))
 
     def drop(self, keys: Sequence[bytes]) -> list[Entry]:
         """Remove entries (e.g. a slot that failed verification); their slots become free."""
-        return self._writable().drop(list(keys))    # retracted in its transaction
+        return self.writable_index().drop(list(keys))    # retracted in its transaction
 
     def count_hits(self, hits: int, misses: int) -> None:
         if not self.readonly:
@@ -437,7 +439,7 @@ class DiskStore:
         Keys already present are skipped. Reserve -> write every rank -> fdatasync -> commit;
         a block whose write failed on any rank is aborted, never committed.
         """
-        idx = self._writable()
+        idx = self.writable_index()
         new = [k for k in dict.fromkeys(keys) if idx.lookup(k) is None]
         if not new:
             return []

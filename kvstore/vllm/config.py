@@ -6,39 +6,31 @@ the same way on the scheduler and on every worker, so they agree without talking
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
-from kvstore.format.layout import Layout, block_key, parse_size  # noqa: F401 (block_key: re-exported)
-from kvstore.io.threads import io_nice, parse_cpus
+from kvstore.format.layout import Layout, block_key  # noqa: F401 (block_key: re-exported)
+from kvstore.store.config import STORE_KEYS, Options, StoreConfig
 
 DETERMINISTIC_HASHES = ("sha256", "sha256_cbor")
 
 
+# The connector's own keys, besides the store's (`kvstore.store.config.STORE_KEYS`).
+CONNECTOR_KEYS = ("store_policy", "load_timeout_s", "max_store_blocks_per_step", "admission",
+                  "admission_window")
+
+
 @dataclass(frozen=True)
-class ConnectorConfig:
-    path: str
-    capacity: int | None = None
-    io_mode: str = "direct"
-    queue_depth: int = 32
+class ConnectorConfig(StoreConfig):
+    """`kv_connector_extra_config` of the connector: the store's settings
+    (`StoreConfig`) and how the connector plans stores and loads."""
+
     store_policy: str = "eager"
-    verify: str = "checksum"
-    durability: str = "fdatasync"
-    staging_bytes: int = 256 << 20
     load_timeout_s: float = 30.0
     max_store_blocks_per_step: int = 4096
-    create: bool = True
-    slot_pool: int | None = None
-    data_dirs: tuple[str, ...] | None = None   # one directory per device (docs/CONFIG.md)
     admission: str = "always"       # "second_sight": store a block only when seen before
     admission_window: int = 1 << 20   # first sightings the second-sight filter remembers
-    device_eio_limit: int = 10        # EIOs within device_eio_window_s that fence a device
-    device_eio_window_s: float = 600.0
-    thread_cpus: frozenset[int] | None = None   # CPUs kvstore's threads run on (None: any)
-    io_thread_nice: int = 0           # nice increment of kvstore's I/O threads (kvstore.io.threads)
-    on_model_change: str = "reset"    # a store of other weights: "reset" it, or "refuse"
 
     @staticmethod
     def forward_on_host() -> bool:
@@ -51,11 +43,7 @@ class ConnectorConfig:
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "ConnectorConfig":
         extra = dict(extra or {})
-        known = {"path", "capacity", "io_mode", "queue_depth", "store_policy", "verify",
-                 "durability", "staging", "load_timeout_s", "max_store_blocks_per_step", "create",
-                 "slot_pool", "data_dirs", "admission", "admission_window",
-                 "device_eio_limit", "device_eio_window_s", "thread_cpus", "io_thread_nice",
-                 "on_model_change"}
+        known = set(STORE_KEYS) | set(CONNECTOR_KEYS)
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kvstore: unknown kv_connector_extra_config key(s) {unknown}; "
@@ -65,66 +53,15 @@ class ConnectorConfig:
             raise ConfigError('kvstore: kv_connector_extra_config needs "path": the store '
                               'directory on local NVMe, e.g. {"path": "/mnt/nvme/kvstore", '
                               '"capacity": "500G"}')
-
-        def choice(key, default, choices):
-            v = extra.get(key, default)
-            if v not in choices:
-                raise ConfigError(f"kvstore: {key}={v!r} is not valid; choose one of {', '.join(choices)}")
-            return v
-
-        def integer(key, default, lo, hi):
-            v = extra.get(key, default)
-            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                raise ConfigError(f"kvstore: {key}={v!r} must be an integer in {lo}..{hi}")
-            return v
-
-        def seconds(key, default):
-            v = extra.get(key, default)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
-                raise ConfigError(f"kvstore: {key}={v!r} must be a positive number of seconds")
-            return float(v)
-
-        capacity = extra.get("capacity")
-        capacity = None if capacity is None else parse_size(capacity)
-        staging = parse_size(extra.get("staging", 256 << 20))
-        create = extra.get("create", True)
-        if not isinstance(create, bool):
-            raise ConfigError(f"kvstore: create={create!r} must be true or false")
-        thread_cpus = parse_cpus(extra.get("thread_cpus"))
+        opt = Options(extra)
         return cls(
-            path=os.path.abspath(os.path.expanduser(path)),
-            capacity=capacity,
-            io_mode=choice("io_mode", "direct", ("direct", "page_cache")),
-            queue_depth=integer("queue_depth", 32, 1, 4096),
-            store_policy=choice("store_policy", "eager", ("eager", "lazy")),
-            verify=choice("verify", "checksum", ("checksum", "header")),
-            durability=choice("durability", "fdatasync", ("fdatasync", "none")),
-            staging_bytes=staging,
-            load_timeout_s=seconds("load_timeout_s", 30.0),
-            max_store_blocks_per_step=integer("max_store_blocks_per_step", 4096, 1, 1 << 20),
-            create=create,
-            slot_pool=None if extra.get("slot_pool") is None
-            else integer("slot_pool", None, 1, 1 << 24),
-            data_dirs=_data_dirs(extra.get("data_dirs")),
-            admission=choice("admission", "always", ("always", "second_sight")),
-            admission_window=integer("admission_window", 1 << 20, 16, 1 << 28),
-            device_eio_limit=integer("device_eio_limit", 10, 1, 1 << 20),
-            device_eio_window_s=seconds("device_eio_window_s", 600.0),
-            thread_cpus=thread_cpus,
-            io_thread_nice=io_nice(thread_cpus, None if extra.get("io_thread_nice") is None
-                                   else integer("io_thread_nice", None, 0, 19),
-                                   cls.forward_on_host()),
-            on_model_change=choice("on_model_change", "reset", ("reset", "refuse")),
+            **StoreConfig.store_fields(extra, forward_on_host=cls.forward_on_host()),
+            store_policy=opt.choice("store_policy", "eager", ("eager", "lazy")),
+            load_timeout_s=opt.seconds("load_timeout_s", 30.0),
+            max_store_blocks_per_step=opt.integer("max_store_blocks_per_step", 4096, 1, 1 << 20),
+            admission=opt.choice("admission", "always", ("always", "second_sight")),
+            admission_window=opt.integer("admission_window", 1 << 20, 16, 1 << 28),
         )
-
-
-def _data_dirs(value) -> tuple[str, ...] | None:
-    from kvstore.format.layout import normalize_data_dirs
-    try:
-        dirs = normalize_data_dirs(value)
-    except ConfigError as exc:
-        raise ConfigError(f"kvstore: {exc}") from None
-    return tuple(dirs) if dirs else None
 
 
 # The vLLM versions whose KV-connector contract kvstore reads as listed in

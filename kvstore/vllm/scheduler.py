@@ -19,11 +19,12 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys)
 
-from kvstore.store.disk import DiskStore, ensure_store
 from kvstore._keytable import KeySet, keys_with_packed, make_keys
 from kvstore._seenfilter import SeenFilter
 from kvstore.errors import KVStoreError
 from kvstore.lookup.events import AnnounceBatch, Committed, Counted, Dropped, Evicted, Failed
+from kvstore.io.rank import fence_reason_of
+from kvstore.lookup.opening import open_serving_index
 from kvstore.lookup.table import ServingIndex
 from kvstore.vllm.config import ConnectorConfig, block_key
 from kvstore.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob
@@ -74,10 +75,6 @@ class KVStoreScheduler:
         self.has_mamba = bool(self._mamba_groups)
         self._stored_upto_g: dict[str, list[int]] = {}   # hybrid: per-group store cursor
         self.tp_size = layout.tp_size
-        ensure_store(cfg.path, layout, cfg.capacity, io_mode=cfg.io_mode, create=cfg.create,
-                     data_dirs=cfg.data_dirs, identity=identity,
-                     on_model_change=cfg.on_model_change)
-        self.store = DiskStore(cfg.path, layout, sync=cfg.durability != "none")
         self.events_enabled = events_enabled
         sc = vllm_config.scheduler_config
         self._lazy_target = 2 * -(-sc.max_num_batched_tokens // self.block_size)
@@ -90,17 +87,12 @@ class KVStoreScheduler:
                        (self._lazy_target if cfg.store_policy == "lazy"
                         else self._lazy_target // 2 + sc.max_num_seqs) * attn_groups
                        + (sc.max_num_seqs if self.has_mamba else 0))
-        cap = self.store.geometry.num_slots
-        pool = cfg.slot_pool or min(max(16, 4 * per_step), max(1, cap // 8))
-        try:
-            self.index = self.index_class(
-                self.store, pool_target=pool,
-                announce=self._announce_events if events_enabled else None,
-                probe_devices=cfg.io_mode, thread_cpus=cfg.thread_cpus,
-                evicted_keys=events_enabled)
-        except BaseException:
-            self.store.close()
-            raise
+        self.index = open_serving_index(
+            cfg, layout, identity, index_class=self.index_class,
+            pool_target=lambda cap: cfg.slot_pool or min(max(16, 4 * per_step), max(1, cap // 8)),
+            announce=self._announce_events if events_enabled else None,
+            evicted_keys=events_enabled)
+        self.store = self.index.store
         self._next_job = 1
         self._requests: dict[str, Any] = {}
         # req -> (first block, end block, pinned slots, hit) of its pinned lookup, pre-alloc:
@@ -691,8 +683,7 @@ class KVStoreScheduler:
         """A worker found device `dev` failed: fence it (its entries leave the lookups now;
         loads in flight from it fail on the workers and are recomputed; stores go to the
         other devices)."""
-        reason = why.split(":", 1)[0] if why.split(":", 1)[0] in ("io_error", "missing", "readonly",
-                                                                   "foreign") else "io_error"
+        reason = fence_reason_of(why)
         try:
             if self.index.fence_device(dev, reason):
                 log.error("kvstore: device %d (%s) failed on a worker (%s); fenced: its blocks are "
@@ -863,6 +854,11 @@ class KVStoreScheduler:
         self._reported_gauges = gauges
         out, self._stats = self._stats, KVStoreStats()
         return out
+
+    @property
+    def admission_rejected(self) -> int:
+        """Blocks the second-sight admission filter kept out (0 with admission "always")."""
+        return self._admission.rejected if self._admission else 0
 
     def shutdown(self) -> None:
         index_stopped = True

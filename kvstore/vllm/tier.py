@@ -71,32 +71,20 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvstore.store.disk import DiskStore, ensure_store
-from kvstore.errors import ConfigError, CorruptSlot, KVStoreError, LayoutMismatch
-from kvstore.format.layout import HEADER_SIZE, Layout, format_size, read_fingerprint
-from kvstore.io.rank import RankIO
+from kvstore.errors import ConfigError, CorruptSlot, KVStoreError
+from kvstore.format.layout import HEADER_SIZE, format_size
+from kvstore.io.rank import RankIO, fence_reason_of
 from kvstore.io.records import SlotRefs
 from kvstore.lookup.events import AnnounceBatch, Committed, Dropped, Evicted, Failed
-from kvstore.lookup.table import ServingIndex
+from kvstore.lookup.opening import open_serving_index, open_rank_io
 from kvstore.io.threads import make_thread
-from kvstore.vllm.config import ConnectorConfig
-from kvstore.vllm.identity import identity_of_offload_model
+from kvstore.vllm.tier_config import TierConfig, check_tier_store, tier_identity, tier_layout
 
 log = logging.getLogger("kvstore.tier")
-
-# The connector's keys that mean the same for the tier (docs/CONFIG.md), and the tier's own.
-STORE_KEYS = ("path", "capacity", "io_mode", "queue_depth", "verify", "durability", "staging",
-              "create", "slot_pool", "data_dirs", "device_eio_limit", "device_eio_window_s",
-              "thread_cpus", "io_thread_nice", "on_model_change")
-TIER_KEYS = ("enable_kv_events", "locality")
 
 # A store job whose chunks find the slot pool dry waits this long for the index thread to
 # refill it (evicting LRU entries) before the rest of the job is dropped.
 POOL_WAIT_S = 2.0
-# Staging memory of each I/O thread when the chunks must go through it (the direct path
-# needs only one slot's worth).
-DEFAULT_STAGING = 64 << 20
-
 METRIC_PREFIX = "vllm:kv_offload_kvstore_"
 
 
@@ -112,123 +100,6 @@ class TierMetrics:
     VERIFY_FAILURES = METRIC_PREFIX + "verify_failures"
     EVICTED_CHUNKS = METRIC_PREFIX + "evicted_chunks"
     STORE_DROPPED_CHUNKS = METRIC_PREFIX + "store_dropped_chunks"
-
-
-def parse_tier_options(options: dict) -> tuple[ConnectorConfig, bool, str | None]:
-    """(store settings, enable_kv_events, locality) of a `secondary_tiers` entry (without
-    "type" and "module_path", which vLLM's factory takes). Unknown keys are refused,
-    naming them; the store settings are checked by the connector's own parser."""
-    unknown = sorted(set(options) - set(STORE_KEYS) - set(TIER_KEYS))
-    if unknown:
-        raise ConfigError(
-            f"kvstore tier: unknown secondary_tiers key(s) {unknown}; valid keys: "
-            f"{sorted(STORE_KEYS + TIER_KEYS)} besides \"type\", \"module_path\" and "
-            "\"backpressure\" (see docs/CONFIG.md, \"As a secondary tier\")")
-    if not isinstance(options.get("path"), str) or not options.get("path"):
-        raise ConfigError('kvstore tier: the secondary_tiers entry needs "path": the store '
-                          'directory on local NVMe, e.g. {"type": "KVStoreTier", "module_path": '
-                          '"kvstore.vllm.tier", "path": "/mnt/nvme/kvstore-tier", '
-                          '"capacity": "500G"}')
-    cfg = ConnectorConfig.from_extra_config({k: options[k] for k in STORE_KEYS if k in options})
-    events = options.get("enable_kv_events", False)
-    if not isinstance(events, bool):
-        raise ConfigError(f"kvstore tier: enable_kv_events={events!r} must be true or false")
-    locality = options.get("locality")
-    if locality is not None:
-        try:
-            Locality(locality)
-        except ValueError:
-            raise ConfigError(f"kvstore tier: locality={locality!r} is not valid; choose one of "
-                              f"{', '.join(x.value for x in Locality)}") from None
-    return cfg, events, locality
-
-
-def tier_layout(offloading_spec, chunk_bytes: int) -> Layout:
-    """The store layout of this engine's primary chunks: what makes a chunk's bytes valid.
-
-    The tier stores whole primary chunks (every worker's part, as the primary holds it),
-    so the fingerprint records the model, dtype, tokens per chunk, the chunk's byte size
-    and its geometry in `kv_layout` ("tier-chunk;name=value;..."): blocks per chunk,
-    tokens per hash, bytes per worker block, the groups, the KV cache layout, canonical or
-    direct layout, and the parallel layout unless the bytes are parallelism-agnostic. The
-    tier does not see vLLM's hash algorithm: `hash_algo` is "vllm-offload-key" (vLLM's
-    block hash + group, as OffloadingConnector keys chunks)."""
-    c = offloading_spec.config
-    par = c.parallel
-    # (causes before derived sizes: a mismatch names the first field that differs)
-    fields = {
-        "blocks_per_chunk": c.cache.blocks_per_chunk,
-        "tokens_per_hash": c.cache.tokens_per_hash,
-        "groups": "+".join(f"{g.group_id}:{g.tokens_per_block}x{len(g.layer_names)}"
-                           for g in c.groups) or "-",
-        "parallel": ("agnostic" if par.is_parallelism_agnostic else
-                     f"tp{par.tp_size}-pp{par.pp_size}-pcp{par.pcp_size}-dcp{par.dcp_size}"
-                     f"-world{par.world_size}"),
-        "replicated": int(bool(c.replicated_layout)),
-        "canonical": int(bool(c.canonical_layout)),
-        "kv_cache_layout": c.kv_cache_layout or "-",
-        "worker_block_bytes": c.worker_kv_bytes_per_block,
-        "chunk_bytes": chunk_bytes,
-    }
-    layers = sum(len(g.layer_names) for g in c.groups)
-    return Layout(
-        model=str(c.model.name),
-        dtype=str(c.model.dtype),
-        block_size=max(1, c.cache.tokens_per_hash * c.cache.blocks_per_chunk),
-        block_bytes=chunk_bytes,
-        num_layers=max(1, layers),
-        num_kv_heads=0,
-        head_dim=0,
-        tp_size=1,
-        hash_algo="vllm-offload-key",
-        kv_layout="tier-chunk;" + ";".join(f"{k}={v}" for k, v in fields.items()),
-    )
-
-
-def tier_identity(offloading_spec):
-    """The model identity of the engine behind `offloading_spec` (`kvstore.vllm.identity`):
-    its model's weights and config from the name vLLM gives the offloading config, and the
-    engine's vLLM settings when its `VllmConfig` is the current one."""
-    c = offloading_spec.config
-    vllm_config = getattr(offloading_spec, "vllm_config", None)
-    if vllm_config is None:
-        try:
-            from vllm.config import get_current_vllm_config_or_none
-            vllm_config = get_current_vllm_config_or_none()
-        except ImportError:
-            vllm_config = None
-    return identity_of_offload_model(str(c.model.name), vllm_config)
-
-
-def _chunk_fields(kv_layout: str) -> dict[str, str]:
-    if not kv_layout.startswith("tier-chunk;"):
-        return {}
-    return dict(p.split("=", 1) for p in kv_layout.split(";")[1:] if "=" in p)
-
-
-def check_tier_store(path: str, layout: Layout) -> None:
-    """Refuse a store written for other chunks, naming the field (`kv_layout.<name>` for
-    the chunk geometry). A store that does not exist yet passes (it is created)."""
-    if not os.path.lexists(os.path.join(path, "kvstore.json")):
-        return
-    stored, _, _ = read_fingerprint(path)
-    diffs = stored.differences(layout)
-    if not diffs:
-        return
-    name, have, want = diffs[0]
-    if name == "kv_layout":
-        a, b = _chunk_fields(str(have)), _chunk_fields(str(want))
-        for sub in list(b) + [k for k in a if k not in b]:
-            if a.get(sub) != b.get(sub):
-                raise LayoutMismatch(
-                    f"store {path} was written for primary chunks with {sub}={a.get(sub)!r} but "
-                    f"this engine's chunks have {sub}={b.get(sub)!r}; refusing to serve KV of "
-                    "another layout. Give the tier another path (or delete this store) for this "
-                    "model/configuration.", field=f"kv_layout.{sub}")
-    raise LayoutMismatch(
-        f"store {path} was written with {name}={have!r} but this engine's primary chunks have "
-        f"{name}={want!r}; refusing to serve KV of another layout. Give the tier another path "
-        "(or delete this store) for this model/configuration.", field=name)
 
 
 class _Batch:
@@ -260,11 +131,11 @@ class KVStoreTier(SecondaryTierManager):
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector=None, **options: Any):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        cfg, events, locality = parse_tier_options(options)
-        self.cfg = cfg
-        self.locality = Locality(locality) if locality is not None else None
-        self._events_on = bool(events and offloading_spec.kv_events_config.enable_kv_cache_events)
-        if events and not self._events_on:
+        self.cfg = cfg = TierConfig.from_options(options)
+        self.locality = Locality(cfg.locality) if cfg.locality is not None else None
+        self._events_on = bool(cfg.enable_kv_events
+                               and offloading_spec.kv_events_config.enable_kv_cache_events)
+        if cfg.enable_kv_events and not self._events_on:
             log.warning("kvstore tier: enable_kv_events is set but KV cache events are disabled "
                         "globally (kv_events_config); the tier emits none")
         self.closed = False
@@ -321,28 +192,19 @@ class KVStoreTier(SecondaryTierManager):
             self.layout = tier_layout(offloading_spec, row)
             self.identity = tier_identity(offloading_spec)
             check_tier_store(cfg.path, self.layout)
-            ensure_store(cfg.path, self.layout, cfg.capacity, io_mode=cfg.io_mode,
-                         create=cfg.create, data_dirs=cfg.data_dirs, identity=self.identity,
-                         on_model_change=cfg.on_model_change)
-            self._store = DiskStore(cfg.path, self.layout, sync=cfg.durability != "none")
+            self._sidx = open_serving_index(
+                cfg, self.layout, self.identity,
+                pool_target=lambda cap: cfg.slot_pool or min(256, max(1, cap // 8)),
+                announce=self._announce if self._events_on else None,
+                evicted_keys=self._events_on)
+            self._store = self._sidx.store
             cap = self._store.geometry.num_slots
             self.slot_size = self._store.geometry.slot_size
             self.capacity_bytes = cap * self.slot_size
-            pool = cfg.slot_pool or min(256, max(1, cap // 8))
-            self._sidx = ServingIndex(
-                self._store, pool_target=pool,
-                announce=self._announce if self._events_on else None,
-                probe_devices=cfg.io_mode, thread_cpus=cfg.thread_cpus,
-                evicted_keys=self._events_on)
-            staging = cfg.staging_bytes if "staging" in options else DEFAULT_STAGING
-            if self.data_path == "direct":
-                staging = self.slot_size      # (RankIO keeps one slot of staging at least)
-            rio_args = dict(layout=self.layout, io_mode=cfg.io_mode, queue_depth=cfg.queue_depth,
-                            staging_bytes=staging, eio_limit=cfg.device_eio_limit,
-                            eio_window_s=cfg.device_eio_window_s, thread_cpus=cfg.thread_cpus,
-                            thread_nice=cfg.io_thread_nice)
-            self._rio_load = RankIO(cfg.path, 0, **rio_args)
-            self._rio_store = RankIO(cfg.path, 0, **rio_args)
+            # (the direct path needs one slot of staging: RankIO keeps one at least)
+            staging = self.slot_size if self.data_path == "direct" else cfg.staging_bytes
+            self._rio_load = open_rank_io(cfg, self.layout, 0, staging_bytes=staging)
+            self._rio_store = open_rank_io(cfg, self.layout, 0, staging_bytes=staging)
             if self.data_path == "direct":
                 self.registered = (self._rio_load.register_memory(self._prim)
                                    and self._rio_store.register_memory(self._prim))
@@ -599,7 +461,7 @@ class KVStoreTier(SecondaryTierManager):
             for d, why in list(rio.failed.items()):
                 if d not in self._fenced:
                     self._fenced.add(d)
-                    reason = str(why).split(":", 1)[0] or "io_error"
+                    reason = fence_reason_of(why)
                     if self._sidx.fence_device(d, reason):
                         log.error("kvstore tier: device %d (%s) failed (%s); fenced", d,
                                   self._store.data_dirs[d], why)
@@ -884,7 +746,7 @@ class KVStoreTier(SecondaryTierManager):
             touched: set[int] = set()
             for batch, keys, slots, gens in items:
                 ok = [i for i in range(len(keys)) if i not in batch.failed]
-                fds = rio._locate([slots[i] for i in ok])[0].tolist() if ok else []
+                fds = rio.locate([slots[i] for i in ok])[0].tolist() if ok else []
                 fds_of.append((ok, fds))
                 touched.update(fds)
             bad: dict[int, OSError] = {}

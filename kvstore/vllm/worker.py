@@ -24,11 +24,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvstore.store.disk import ensure_store
 from kvstore.errors import KVStoreError
-from kvstore.io.rank import RankIO
 from kvstore.io.records import SlotRefs
 from kvstore.io.threads import make_thread
+from kvstore.lookup.opening import ensure_serving_store, open_rank_io
 from kvstore.vllm.transfer import CopyError, KVTransfer, check_groups_alias
 from kvstore.vllm.config import ConnectorConfig, carrier_group
 from kvstore.vllm.metadata import (KVStoreMetadata, KVStoreWorkerMeta, LoadJob, StoreJob, StoreReport,
@@ -67,13 +66,8 @@ class KVStoreWorker:
                  identity=None):
         self.cfg = cfg
         self.rank = rank
-        ensure_store(cfg.path, layout, cfg.capacity, io_mode=cfg.io_mode, create=cfg.create,
-                     data_dirs=cfg.data_dirs, identity=identity,
-                     on_model_change=cfg.on_model_change)
-        self.io = RankIO(cfg.path, rank, layout=layout, io_mode=cfg.io_mode,
-                         queue_depth=cfg.queue_depth, staging_bytes=cfg.staging_bytes,
-                         eio_limit=cfg.device_eio_limit, eio_window_s=cfg.device_eio_window_s,
-                         thread_cpus=cfg.thread_cpus, thread_nice=cfg.io_thread_nice)
+        ensure_serving_store(cfg, layout, identity)
+        self.io = open_rank_io(cfg, layout, rank)
         self.transfer = None
         try:
             # Several KV cache groups (a hybrid model: full attention, sliding window,

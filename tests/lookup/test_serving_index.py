@@ -571,7 +571,7 @@ def test_items_and_slotrefs_are_sequences_made_of_three_lists():
     import array
 
     from kvstore.io.records import SlotRefs
-    from kvstore.lookup.table import Items, _split_failed
+    from kvstore.lookup.table import Items, split_failed
     keys = [k(i) for i in range(5)]
     slots = array.array("I", [10, 11, 12, 13, 14])
     gens = array.array("Q", [20, 21, 22, 23, 24])
@@ -580,9 +580,9 @@ def test_items_and_slotrefs_are_sequences_made_of_three_lists():
     assert list(it) == tuples and list(reversed(it)) == tuples[::-1]
     assert it[2] == tuples[2] and list(it[1:3]) == tuples[1:3] and len(it) == 5
     assert it == tuples and tuples[0] in it and not Items([], [], [])
-    good, bad = _split_failed(keys, slots, gens, {1, 3})
+    good, bad = split_failed(keys, slots, gens, {1, 3})
     assert list(good) == [tuples[0], tuples[2], tuples[4]] and list(bad) == [tuples[1], tuples[3]]
-    good, bad = _split_failed(keys, slots, gens, ())
+    good, bad = split_failed(keys, slots, gens, ())
     assert list(good) == tuples and len(bad) == 0
     refs = SlotRefs(keys, slots, gens)
     assert list(refs) == [SlotRef(*t) for t in tuples] and refs[-1] == SlotRef(*tuples[-1])
