@@ -214,10 +214,10 @@ def assert_quiescent(h, store: str | None = None, before: set[str] | None = None
     h.assert_no_leaks()
     s = sched(h)
     assert s.index.pinned_slots == 0, f"pinned slots left: {s.index.pin_counts()}"
-    assert not s._candidates and not s._pending_loads and not s._inflight_loads, \
-        (s._candidates, s._pending_loads, s._inflight_loads)
-    assert not s._inflight_stores and not s._storing_keys
-    assert not s._load_invalid and not s._load_failed and not s._requests
+    assert not s.lookups.candidates and not s.lookups.pending and not s.lookups.inflight, \
+        (s.lookups.candidates, s.lookups.pending, s.lookups.inflight)
+    assert not s.commits.inflight and not s.stores.storing
+    assert not s.lookups.failed and not s.requests
     # reserved slots are the index thread's pool, nothing else
     assert s.store.stats()["reserved_slots"] == len(s.index.pooled())
     for w in workers(h):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata, KVConnectorWorkerMetadata,
@@ -35,6 +36,15 @@ def load_keys(job: LoadJob) -> list[bytes]:
     return make_keys(job.hashes, job.groups)
 
 
+class HashedBlocks(NamedTuple):
+    """Blocks named by vLLM's block hashes and (KV cache group id, blocks) runs covering
+    them, whose keys (hash + 4-byte group id) are made off the step thread (`make_keys`).
+    A tuple: `ServingIndex.take`, `ServingIndex.commit_blocks` and `keys_with_packed` take
+    it as their `packed` (hashes, runs) pair."""
+    hashes: list
+    runs: list[tuple[int, int]]
+
+
 @dataclass
 class StoreJob:
     """One step's store. Its blocks are `keys` (keys made when planned: lazy stores and
@@ -51,14 +61,14 @@ class StoreJob:
     groups: list[tuple[int, int]] = field(default_factory=list)
 
     @property
-    def packed(self) -> tuple | None:
-        """(hashes, groups), or None: the blocks after `keys` as `make_keys` takes them."""
-        return (self.hashes, self.groups) if self.hashes else None
+    def hashed(self) -> HashedBlocks | None:
+        """The blocks after `keys` (`hashes`, `groups`), or None when there are none."""
+        return HashedBlocks(self.hashes, self.groups) if self.hashes else None
 
 
 def store_keys(job: StoreJob) -> list[bytes]:
     """The store key of every block of `job`, in order."""
-    return keys_with_packed(job.keys, job.packed)
+    return keys_with_packed(job.keys, job.hashed)
 
 
 @dataclass

@@ -59,6 +59,31 @@ class _LoadState:
     keys: list | None = None                       # the job's store keys, once made
 
 
+# The I/O thread's queue holds one record per job, by kind; the shutdown mark is None.
+@dataclass(slots=True)
+class LoadItem:
+    """A request's load (its state is the step thread's too: `_LoadState`)."""
+    state: _LoadState
+
+
+@dataclass(slots=True)
+class StoreItem:
+    """A store job whose first `len(stage)` blocks are being copied into staging slots
+    `stage` (copy ticket `ticket`); `dropped`: the job's block indices that found no
+    staging (reported failed with the write's failures)."""
+    job: StoreJob
+    stage: list[int]
+    ticket: int
+    dropped: list[int]
+
+
+@dataclass(slots=True)
+class ReleaseItem:
+    """Staging slots a failed copy may still write, given back once its ticket is done."""
+    stage: list[int]
+    ticket: int
+
+
 class KVStoreWorker:
     """Per-rank worker-side state of the connector (see module docstring)."""
 
@@ -91,7 +116,8 @@ class KVStoreWorker:
             raise
         self.slots = self.io.staging
         # Loads before stores: a request waits on its load (time to first token), while a
-        # store only delays when its blocks become hits. (priority, sequence, job)
+        # store only delays when its blocks become hits. (priority, sequence, item): a
+        # `LoadItem`, `StoreItem` or `ReleaseItem`, or None (shutdown)
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = 0
         self._lock = threading.Lock()
@@ -150,7 +176,7 @@ class KVStoreWorker:
                 st.io_failed.update(range(len(job.slots)))   # recompute, no I/O
                 self._finish_load(st)
                 continue
-            self._put(0, ("load", st))
+            self._put(0, LoadItem(st))
 
     def wait_for_save(self) -> None:
         meta = self._meta
@@ -179,7 +205,7 @@ class KVStoreWorker:
             self._report_store(job.job_id, list(range(n)))
             self._give_after(stage, exc.ticket if isinstance(exc, CopyError) else 0)
             return
-        self._put(1, ("store", job, stage, ticket, dropped))
+        self._put(1, StoreItem(job, stage, ticket, dropped))
 
     def _give_after(self, stage: list[int], ticket: int) -> None:
         """Return staging slots a failed copy may still write: at once (0), by the I/O
@@ -188,14 +214,14 @@ class KVStoreWorker:
         if ticket == 0:
             self.slots.give(stage)
         elif ticket > 0:
-            self._put(1, ("release", stage, ticket))
+            self._put(1, ReleaseItem(stage, ticket))
         else:
             self.staging_lost += len(stage)
             log.error("kvstore rank %d: %d staging slots are held for good after a failed "
                       "copy (%d in all); restart the engine to get them back", self.rank,
                       len(stage), self.staging_lost)
 
-    def _put(self, priority: int, item) -> None:
+    def _put(self, priority: int, item: LoadItem | StoreItem | ReleaseItem | None) -> None:
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -238,12 +264,12 @@ class KVStoreWorker:
             jobs = 1
             states: list = []
             try:
-                if item[0] in ("store", "release"):
-                    self._run_store_item(item)
-                else:
-                    states = self._more_loads([item[1]])
+                if isinstance(item, LoadItem):
+                    states = self._more_loads([item.state])
                     jobs = len(states)
                     self._do_load(states)
+                else:
+                    self._run_store_item(item)
             except Exception as exc:  # a bug must not kill the I/O thread silently
                 log.exception("kvstore rank %d: I/O job failed: %s", self.rank, exc)
                 self._fail_unfinished(states)
@@ -251,19 +277,18 @@ class KVStoreWorker:
                 with self._lock:
                     self._outstanding -= jobs
 
-    def _run_store_item(self, item) -> None:
+    def _run_store_item(self, item: StoreItem | ReleaseItem) -> None:
         """A queued store or staging release. A store that raises (rather than failing
         its blocks) is reported with every block failed, so that the scheduler never
         waits for it (its report is the last thing `_do_store` makes)."""
-        if item[0] == "release":
-            self._release_staging(*item[1:])
+        if isinstance(item, ReleaseItem):
+            self._release_staging(item.stage, item.ticket)
             return
         try:
-            self._do_store(*item[1:])
+            self._do_store(item)
         except Exception as exc:
             log.exception("kvstore rank %d: store job failed: %s", self.rank, exc)
-            job = item[1]
-            self._report_store(job.job_id, list(range(len(job.block_ids))))
+            self._report_store(item.job.job_id, list(range(len(item.job.block_ids))))
 
     def _fail_unfinished(self, states: list) -> None:
         """Loads of a pass that raised outside its read: those not reported yet fail now
@@ -280,7 +305,7 @@ class KVStoreWorker:
             log.warning("kvstore rank %d: releasing the ordering tickets of a failed load "
                         "pass failed: %s", self.rank, exc)
 
-    def _next_queued(self, *kinds: str):
+    def _next_queued(self, *kinds: type):
         """The job at the head of the queue if it is of one of `kinds` (taken), else None
         (the head, a job of another kind or the shutdown mark, keeps its place)."""
         try:
@@ -288,7 +313,7 @@ class KVStoreWorker:
         except queue.Empty:
             return None
         item = entry[2]
-        if item is None or item[0] not in kinds:
+        if not isinstance(item, kinds):
             self._jobs.put(entry)   # same (priority, sequence): its place is kept
             return None
         return item
@@ -297,17 +322,17 @@ class KVStoreWorker:
         """Every other load already queued joins this pass: one ring batch keeps the queue
         depth full across requests instead of draining it at the end of each one."""
         while len(states) < self.MAX_LOAD_BATCH:
-            item = self._next_queued("load")
+            item = self._next_queued(LoadItem)
             if item is None:
                 break
-            states.append(item[1])
+            states.append(item.state)
         return states
 
     def _run_queued_stores(self) -> None:
         """Run the store jobs (and staging releases) queued now (loads come first in the
         queue, so what follows the loads in hand are these); a load or the shutdown mark
         stays queued."""
-        while (item := self._next_queued("store", "release")) is not None:
+        while (item := self._next_queued(StoreItem, ReleaseItem)) is not None:
             try:
                 self._run_store_item(item)
             finally:
@@ -324,7 +349,8 @@ class KVStoreWorker:
             return
         self.slots.give(stage)
 
-    def _do_store(self, job: StoreJob, stage: list[int], ticket: int, dropped: list[int]) -> None:
+    def _do_store(self, item: StoreItem) -> None:
+        job, stage = item.job, item.stage
         refs: list = []
         try:
             # The keys of the eager stores are made here, on the I/O thread (the scheduler
@@ -341,7 +367,7 @@ class KVStoreWorker:
         try:
             # The copy into staging must be complete before the slot is written (and
             # before staging goes back to the free list).
-            self.transfer.wait(ticket)
+            self.transfer.wait(item.ticket)
             if malformed is not None:
                 raise malformed
             errors = self.io.write_staged(refs, stage, durable=self.cfg.durability == "fdatasync")
@@ -354,7 +380,7 @@ class KVStoreWorker:
             log.warning("kvstore rank %d: %d of %d block writes failed (first: %s); they are "
                         "not committed", self.rank, len(failed), len(errors), errors[failed[0]])
         self._add_stats(stored_bytes=(len(errors) - len(failed)) * self.io.payload_len)
-        self._report_store(job.job_id, failed + dropped)
+        self._report_store(job.job_id, failed + item.dropped)
 
     def _report_store(self, job_id: int, failed: list[int]) -> None:
         with self._lock:

@@ -126,7 +126,7 @@ def test_disk_fills_up_while_serving(small_fs, caplog):
         assert h.stats["blocks_loaded"] - before["blocks_loaded"] == 15
         settle(h)
         h.assert_no_leaks()
-        assert sched(h).store.pinned_slots == 0 and not sched(h)._inflight_stores
+        assert sched(h).store.pinned_slots == 0 and not sched(h).commits.inflight
         assert all(w.slots.free == w.slots.total for w in workers(h))
     code, doc = fsck_json(store, "--deep")
     assert code == 0 and doc["findings"] == [], doc

@@ -104,8 +104,8 @@ def _quiet(h) -> None:
     h.assert_no_leaks()
     s = sched(h)
     assert s.index.pinned_slots == 0, s.index.pin_counts()
-    assert not s._candidates and not s._pending_loads and not s._inflight_loads
-    assert not s._inflight_stores and not s._storing_keys
+    assert not s.lookups.candidates and not s.lookups.pending and not s.lookups.inflight
+    assert not s.commits.inflight and not s.stores.storing
     assert not h.scheduler.requests
     for w in workers(h):
         assert w.pending() == 0 and not w._loads

@@ -13,7 +13,8 @@ from connector_util import (conn_stats, drop_gpu_cache, keys_of, kv_harness, pro
 from kvstore._keytable import KeySet, KeyTable, make_keys
 from kvstore.lookup.events import Committed
 from kvstore.vllm.metadata import StoreJob, store_keys
-from kvstore.vllm.scheduler import _Plan, _split_runs
+from kvstore.vllm.sched_events import BlockOrigins
+from kvstore.vllm.sched_store import StorePlan, split_runs
 
 BS = 16
 
@@ -77,20 +78,24 @@ def test_a_plan_cut_keeps_a_prefix_and_gives_back_the_keys_of_the_rest():
     made = [b"k" * 36, b"m" * 36]
     full_keys = made + make_keys(hashes[:3], [(0, 3)]) + make_keys(hashes[3:], [(2, 4)])
     for n in range(0, 10):
-        p = _Plan()
+        p = StorePlan()
         p.keys += made
         p.bids += [1, 2]
-        p.add_packed(hashes[:2], [3, 4], 0)
-        p.add_packed(hashes[2:3], [5], 0)         # same group: one run
-        p.add_packed(hashes[3:], [6, 7, 8, 9], 2)
-        assert p.groups == [(0, 3), (2, 4)] and p.count == 9
-        p.origins = list(range(9))
+        p.add_hashed(hashes[:2], [3, 4], 0)
+        p.add_hashed(hashes[2:3], [5], 0)         # same group: one run
+        p.add_hashed(hashes[3:], [6, 7, 8, 9], 2)
+        assert p.runs == [(0, 3), (2, 4)] and p.count == 9
+        p.origins = BlockOrigins(*([list(range(9)) for _ in range(6)]))
         dropped = p.cut(n)
-        kept = p.keys + (make_keys(*p.packed) if p.packed else [])
+        kept = p.keys + (make_keys(*p.hashed) if p.hashed else [])
         assert kept == full_keys[:n] and dropped == full_keys[n:], n
-        assert p.bids + p.pbids == list(range(1, 10))[:n] and p.origins == list(range(9))[:n]
-    assert _split_runs([(0, 3), (2, 4)], 5) == ([(0, 3), (2, 2)], [(2, 2)])
-    assert _split_runs([(0, 3)], 0) == ([], [(0, 3)])
+        assert p.bids + p.hashed_bids == list(range(1, 10))[:n]
+        assert len(p.origins) == min(n, 9) and all(
+            column == list(range(9))[:n] for column in (
+                p.origins.tokens, p.origins.parents, p.origins.lora_ids,
+                p.origins.lora_names, p.origins.extra_keys, p.origins.sessions))
+    assert split_runs([(0, 3), (2, 4)], 5) == ([(0, 3), (2, 2)], [(2, 2)])
+    assert split_runs([(0, 3)], 0) == ([], [(0, 3)])
 
 
 def test_an_eager_store_job_carries_hashes_and_the_block_ids_vllm_made(tmp_path):
@@ -104,7 +109,7 @@ def test_an_eager_store_job_carries_hashes_and_the_block_ids_vllm_made(tmp_path)
         orig = s.build_connector_meta
 
         walked = []     # vLLM block lists the connector asked for while planning
-        km = s._kv_cache_manager
+        km = s.stores._kv_cache_manager
 
         def spy(so):
             get_blocks = km.get_blocks
@@ -114,7 +119,7 @@ def test_an_eager_store_job_carries_hashes_and_the_block_ids_vllm_made(tmp_path)
             finally:
                 km.get_blocks = get_blocks
             if meta.stores:
-                seen.append((so, meta.stores, {r: list(q.block_hashes) for r, q in s._requests.items()}))
+                seen.append((so, meta.stores, {r: list(q.block_hashes) for r, q in s.requests.items()}))
             return meta
         s.build_connector_meta = spy
         rid = h.add_request(p, max_tokens=1)
@@ -126,9 +131,9 @@ def test_an_eager_store_job_carries_hashes_and_the_block_ids_vllm_made(tmp_path)
         new = {r.req_id: r for r in so.scheduled_new_reqs}
         assert job.block_ids == list(new[rid].block_ids[0][:6])
         assert store_keys(job) == keys_of(h, p)[:6]
-        assert all(k in s._storing_keys for k in keys_of(h, p)[:6])
+        assert all(k in s.stores.storing for k in keys_of(h, p)[:6])
         settle(h)
-        assert not s._storing_keys and not s._inflight_stores
+        assert not s.stores.storing and not s.commits.inflight
         assert [s.store.lookup(k) is not None for k in keys_of(h, p)] == [True] * 6
 
 
@@ -159,7 +164,7 @@ def test_a_store_job_whose_keys_cannot_be_made_fails_alone(tmp_path):
         settle(h)
         assert all(s.store.lookup(k) is not None for k in keys_of(h, b))
         assert conn_stats(h)["stored_blocks"] == 4
-        assert not s._storing_keys and s.store.stats()["reserved_slots"] == len(s.index.pooled())
+        assert not s.stores.storing and s.store.stats()["reserved_slots"] == len(s.index.pooled())
         assert all(w.slots.free == w.slots.total for w in workers(h))
 
 
@@ -167,7 +172,7 @@ def test_store_keys_of_a_job_with_made_keys_and_packed_blocks():
     hashes = [os.urandom(32) for _ in range(3)]
     job = StoreJob(1, [7, 8, 9, 10], [b"x" * 36], [1, 2, 3, 4], [1, 1, 1, 1], hashes, [(5, 3)])
     assert store_keys(job) == [b"x" * 36] + [h + (5).to_bytes(4, "big") for h in hashes]
-    assert StoreJob(2, [1], [b"y" * 36], [1], [1]).packed is None
+    assert StoreJob(2, [1], [b"y" * 36], [1], [1]).hashed is None
 
 
 @pytest.mark.parametrize("index_thread", [True, False])
@@ -283,7 +288,7 @@ def test_a_pool_that_runs_short_stores_a_prefix_and_releases_the_rest(tmp_path):
         (job,) = jobs
         assert job.keys == [] and job.groups == [(0, 3)] and len(job.block_ids) == 3
         assert [s.store.lookup(k) is not None for k in keys_of(h, p)] == [True] * 3 + [False] * 3
-        assert conn_stats(h)["store_dropped_blocks"] == 3 and not s._storing_keys
+        assert conn_stats(h)["store_dropped_blocks"] == 3 and not s.stores.storing
 
 
 def test_a_commit_whose_keys_cannot_be_made_reports_every_block_failed(tmp_path):
@@ -343,13 +348,13 @@ def test_a_short_pool_plans_only_what_it_can_take(tmp_path):
     with kv_harness(tmp_path / "store", extra={"slot_pool": 3}) as h:
         s = sched(h)
         cuts = []
-        orig_cut = _Plan.cut
+        orig_cut = StorePlan.cut
         counts = record_dropped_counts(h)       # queued only when non-empty
 
         def cut(self, n):
             cuts.append(n)
             return orig_cut(self, n)
-        _Plan.cut = cut
+        StorePlan.cut = cut
         try:
             h.run(ps[:1], max_tokens=1)
             settle(h)
@@ -363,7 +368,7 @@ def test_a_short_pool_plans_only_what_it_can_take(tmp_path):
             settle(h)
             assert cuts == [] and conn_stats(h)["store_dropped_blocks"] == 3 + 6
             assert counts and all(a < b for a, b in counts), counts
-            assert not s._storing_keys
+            assert not s.stores.storing
             s.index.flush()
             assert len(s.index.pooled()) == 3   # refilled on the dry pool's request
             s.index.abort(list(zip(held, slots, gens)))
@@ -373,7 +378,7 @@ def test_a_short_pool_plans_only_what_it_can_take(tmp_path):
             assert [s.store.lookup(k) is not None for k in keys_of(h, ps[1])] == \
                 [True] * 3 + [False] * 3
         finally:
-            _Plan.cut = orig_cut
+            StorePlan.cut = orig_cut
 
 
 def test_discard_fingerprints_across_batches_removes_exactly_the_keys_given():

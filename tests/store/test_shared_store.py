@@ -129,8 +129,8 @@ def _engine(path, model_dir, extra, harness, busy, cmds, out):
                 for _ in range(cmd[3]):
                     h.step()
                 out.put(("hung", dict(
-                    inflight_stores=len(s._inflight_stores),
-                    inflight_loads=len(s._inflight_loads),
+                    inflight_stores=len(s.commits.inflight),
+                    inflight_loads=len(s.lookups.inflight),
                     pinned=s.index.pinned_slots,
                     owned=s.store.index.owned_counts().get(owner, 0),
                     pending=sum(w.pending() for w in workers(h)))))
@@ -147,7 +147,7 @@ def _engine(path, model_dir, extra, harness, busy, cmds, out):
                     pooled=len(s.index.pooled()),
                     cross_hits=s.index.cross_hits,
                     reclaimed=s.index.reclaimed,
-                    inflight=len(s._inflight_stores) + len(s._inflight_loads),
+                    inflight=len(s.commits.inflight) + len(s.lookups.inflight),
                     peers=s.index._table.peer_count)))
             else:
                 raise ValueError(f"unknown command {op!r}")

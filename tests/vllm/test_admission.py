@@ -102,11 +102,11 @@ def test_second_sight_stores_a_prefix_seen_twice_and_serves_it_after_restart(tmp
         h.run(once + twice, max_tokens=2)
         settle(h)
         s = sched(h)
-        assert not s._storing_keys
+        assert not s.stores.storing
         for p in once + twice:     # first sighting: remembered, nothing stored
             assert all(_on_disk(h, keys_of(h, p, group=g)) == 0 for g in groups)
         rejected = conn_stats(h)["admission_rejected_blocks"]
-        assert rejected == s._admission.rejected == s._admission.probes
+        assert rejected == s.stores._admission.rejected == s.stores._admission.probes
         if groups == (0,):
             assert rejected == 4 * 8
         else:           # every full-attention block, and the window blocks vLLM kept
@@ -118,7 +118,7 @@ def test_second_sight_stores_a_prefix_seen_twice_and_serves_it_after_restart(tmp
         drop_gpu_cache(h)
         h.run(twice[1:], max_tokens=2)
         settle(h)
-        assert not s._storing_keys
+        assert not s.stores.storing
         for p in twice:
             assert _on_disk(h, keys_of(h, p, group=0)) == 8
         for p in once:
@@ -145,7 +145,7 @@ def test_admission_always_is_todays_behaviour(tmp_path):
     for name, extra in (("default", {}), ("always", {"admission": "always"})):
         store = tmp_path / name
         with kv_harness(store, extra=extra) as h:
-            assert sched(h)._admission is None
+            assert sched(h).stores._admission is None
             h.run(ps, max_tokens=2)
             settle(h)
             st = conn_stats(h)
@@ -169,13 +169,13 @@ def test_second_sight_lazy_counts_a_block_waiting_for_eviction_once(tmp_path):
         h.idle_steps(5)
         settle(h)
         assert _on_disk(h, keys_of(h, p[0])) == 0
-        assert len(sched(h)._lazy_sighted) == 8      # waiting in the head, probed once each
-        assert sched(h)._admission.probes == 8
+        assert len(sched(h).stores._lazy_sighted) == 8      # waiting in the head, probed once each
+        assert sched(h).stores._admission.probes == 8
         h.run(p, max_tokens=2)                       # a GPU hit: seen again
         h.idle_steps(5)
         settle(h)
         assert _on_disk(h, keys_of(h, p[0])) == 8
-        assert not sched(h)._lazy_sighted and not sched(h)._storing_keys
+        assert not sched(h).stores._lazy_sighted and not sched(h).stores.storing
     with kv_harness(store, **kw) as h:
         st = h.run(p, max_tokens=2)
         loads_ok(st)

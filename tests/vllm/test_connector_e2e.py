@@ -67,7 +67,7 @@ def test_lazy_policy_never_stores_blocks_vllm_holds(tmp_path):
         r = h.add_request(first, max_tokens=30)     # 7 of the 11 blocks, held
         while r not in h.finished:
             h.step()
-            assert not sched(h)._inflight_stores
+            assert not sched(h).commits.inflight
             assert sched(h).store.stats()["used_slots"] == 0
         h.run([other[:20]], max_tokens=1)           # a few more steps: lazy stores run
         settle(h)

@@ -146,7 +146,7 @@ def test_abort_while_a_hybrid_load_is_in_flight(tmp_path):
         rids = [h.add_request(p, max_tokens=4) for p in ps]
         h.step()
         s = sched(h)
-        assert set(s._inflight_loads) == set(rids)
+        assert set(s.lookups.inflight) == set(rids)
         assert s.index.pinned_slots == 3 * (6 + WINDOW // BS)
         h.abort(rids[:2])
         for _ in range(5):

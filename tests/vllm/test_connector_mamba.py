@@ -264,7 +264,7 @@ def test_abort_while_a_mamba_load_is_in_flight(tmp_path):
         rids = [h.add_request(p, max_tokens=4) for p in ps]
         h.step()
         s = sched(h)
-        assert set(s._inflight_loads) == set(rids)
+        assert set(s.lookups.inflight) == set(rids)
         assert s.index.pinned_slots == 3 * per_req
         h.abort(rids[:2])
         for _ in range(5):
@@ -335,27 +335,27 @@ def test_hand_offs_are_read_in_build_connector_meta_and_filtered(tmp_path):
         assert (g, boundary) == (SSM, 128) and block_id != 0
         assert so.kv_connector_block_state is None          # cleared by vLLM
         key = keys_of(h, p, group=SSM)[7]
-        assert key in s._storing_keys                      # planned from the hand-off
+        assert key in s.stores.storing                      # planned from the hand-off
         from vllm.v1.core.sched.output import KVConnectorBlockState
 
-        from kvstore.vllm.scheduler import _Plan
+        from kvstore.vllm.sched_store import StorePlan
         blocks = KVConnectorBlockState(req_ids={rid}, resolve_block_ids=lambda r: (),
                                        boundary_state_offloads=offloads)
-        s._storing_keys.discard(key)        # as if not planned: only the filters decide
+        s.stores.storing.discard(key)        # as if not planned: only the filters decide
         try:
             for gone, want in ((dict(preempted_req_ids={rid}), []),
                                (dict(finished_req_ids={rid}), []),
                                ({}, [key])):
                 out = dataclasses.replace(so, kv_connector_block_state=blocks, **gone)
-                plan = _Plan()
-                s._plan_boundary_states(out, 16, plan)
+                plan = StorePlan()
+                s.stores._plan_boundary_states(out, 16, plan)
                 assert plan.keys == want, gone
                 assert plan.bids == ([block_id] if want else [])
         finally:
-            s._storing_keys.add(key)        # the real store job still holds it
+            s.stores.storing.add(key)        # the real store job still holds it
         h.drain()
         settle(h)
-        assert _on_disk(h, [key]) == [True] and key not in s._storing_keys
+        assert _on_disk(h, [key]) == [True] and key not in s.stores.storing
 
 
 def test_lazy_policy_stores_mamba_states_from_the_hand_offs(tmp_path):
@@ -483,15 +483,16 @@ def test_a_request_aborted_while_its_failing_load_is_in_flight_leaves_nothing(
         rid = h.add_request(p, max_tokens=2)
         h.step()
         s = sched(h)
-        assert rid in s._inflight_loads
+        assert rid in s.lookups.inflight
         h.abort(rid)
         h.step()
         gate.wait_hit()
         gate.open()
         settle(h)
         set_injector(h, None)
-        assert rid not in s._inflight_loads and s.index.pinned_slots == 0
-        assert rid not in s._load_failed and not s._load_invalid
+        assert rid not in s.lookups.inflight and s.index.pinned_slots == 0
+        assert rid not in s.lookups.failed
+        assert not any(load.invalid for load in s.lookups.inflight.values())
         assert sched(h).store.lookup(key) is None       # the bad entry is dropped
         assert h.stats["blocks_mismatched"] == 0
 
@@ -545,7 +546,7 @@ def test_a_failed_load_under_policy_fail_leaves_nothing(tmp_path, kw, group, blo
         settle(h)
         s = sched(h)
         assert h.stats["failed_recving" if kw else "invalid_block_ids"] >= 1
-        assert not s._load_failed and not s._requests
+        assert not s.lookups.failed and not s.requests
         assert s.store.lookup(key) is None
         assert_quiescent(h, str(store), before)
     finally:

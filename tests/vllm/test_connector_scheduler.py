@@ -33,7 +33,7 @@ def test_prefix_reuse_across_requests(tmp_path):
         before = dict(h.stats)
         h.step()
         s = sched(h)
-        assert set(s._inflight_loads) == set(rids)
+        assert set(s.lookups.inflight) == set(rids)
         assert s.index.pinned_slots == 6
         assert set(s.index.pin_counts().values()) == {3}
         h.drain()
@@ -226,7 +226,7 @@ def test_full_store_drops_stores_and_keeps_serving(tmp_path):
         assert rd in h.finished                  # served while nothing could be stored
         sched(h).index.flush()                   # the dry pool's drops are counted by the
         h.step()                                 # index thread, published at a next step
-        assert sched(h)._counting == 0
+        assert sched(h).stores.counting == 0
         s = conn_stats(h)
         assert s["store_dropped_blocks"] == 4 and s["stored_blocks"] == 4
         reads.open()
@@ -261,22 +261,22 @@ def test_reset_cache_with_stores_and_loads_in_flight(tmp_path):
         rc = h.add_request(c, max_tokens=2)    # store of C in flight (reserved)
         h.step()
         s = sched(h)
-        assert ra in s._inflight_loads and s._inflight_stores
+        assert ra in s.lookups.inflight and s.commits.inflight
         # The GPU side refuses (blocks in use); the connector resets: nothing hits any
         # more, not even the entries being read (their slots stay pinned).
         assert h.scheduler.reset_prefix_cache(reset_connector=True) is False
         assert not any(s.index.contains(k) for k in keys_of(h, a) + keys_of(h, b))
         s.index.flush()     # LMDB follows on the index thread
         assert s.store.stats()["used_slots"] == 0
-        a_slots = set(s._inflight_loads[ra][1])
+        a_slots = set(s.lookups.inflight[ra].job.slots)
         b_slots = {e.slot for e in pre_reset if e.key in set(keys_of(h, b))}
         assert s.index.pinned_slots == 4
         # Stores planned after the reset (slots from the pool, refilled from the freed
         # slots) never get the ones the load still reads.
-        jobs_before = set(s._inflight_stores)
+        jobs_before = set(s.commits.inflight)
         rd = h.add_request(d, max_tokens=1)
         h.step()
-        new_slots = {sl for j, st in s._inflight_stores.items() if j not in jobs_before
+        new_slots = {sl for j, st in s.commits.inflight.items() if j not in jobs_before
                      for sl in st.slots}
         assert len(new_slots) == 4 and not new_slots & a_slots
         s.index.flush()

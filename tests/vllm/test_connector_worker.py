@@ -161,7 +161,7 @@ def test_abort_while_load_in_flight(tmp_path):
         rids = [h.add_request(p, max_tokens=4) for p in ps]
         h.step()   # lookups, pins, loads start
         s = sched(h)
-        assert set(s._inflight_loads) == set(rids)
+        assert set(s.lookups.inflight) == set(rids)
         assert s.index.pinned_slots == 15
         h.abort(rids[:2])
         for _ in range(5):
@@ -195,11 +195,11 @@ def test_pins_of_a_request_waiting_for_gpu_blocks(tmp_path):
         s = sched(h)
         for _ in range(3):
             h.step()
-            assert r in s._candidates and r not in s._inflight_loads
+            assert r in s.lookups.candidates and r not in s.lookups.inflight
             assert s.index.pinned_slots == 5
         assert conn_stats(h)["hit_blocks"] == 5      # one lookup, not one per step
         h.abort(r)
-        assert s.index.pinned_slots == 0 and r not in s._candidates
+        assert s.index.pinned_slots == 0 and r not in s.lookups.candidates
         h.drain()
         assert hog in h.finished
 
@@ -221,7 +221,7 @@ def test_preemption_while_a_load_is_in_flight(tmp_path):
         set_injector(h, gate)
         rs = h.add_request(stored, max_tokens=2)
         h.step()
-        assert rs in sched(h)._inflight_loads
+        assert rs in sched(h).lookups.inflight
 
         def preempted():
             reqs = h.scheduler.requests
@@ -231,7 +231,7 @@ def test_preemption_while_a_load_is_in_flight(tmp_path):
         deadline = time.monotonic() + 120
         while not preempted() and h.busy() and time.monotonic() < deadline:
             h.step()
-        preempted_during_load = preempted() and rs in sched(h)._inflight_loads
+        preempted_during_load = preempted() and rs in sched(h).lookups.inflight
         gate.wait_hit()
         assert not gate.expired                     # the read was held until now
         gate.open()
@@ -262,7 +262,7 @@ def test_request_finishing_while_its_store_is_in_flight(tmp_path):
         r = h.add_request(ps[0], max_tokens=1)
         h.step()
         assert r in h.finished                    # done in one step ...
-        assert sched(h)._inflight_stores          # ... while its blocks are being written
+        assert sched(h).commits.inflight          # ... while its blocks are being written
         assert h.busy()                           # vLLM keeps stepping for the store
         # Its GPU blocks are free again: the others take them over while the write waits.
         for p in others:
@@ -341,14 +341,17 @@ def test_queued_loads_share_one_ring_pass_and_stores_keep_their_place(tmp_path):
     """Loads already queued when the I/O thread takes one join its pass (the queue depth
     stays full across requests); a store met on the way goes back with its own place."""
     import queue as _queue
+
+    from kvstore.vllm.worker import LoadItem, StoreItem
     with kv_harness(tmp_path / "store") as h:
         w = workers(h)[0]
         real, w._jobs = w._jobs, _queue.PriorityQueue()
+        store = StoreItem("s", [], 0, [])
         try:
-            for seq, item in enumerate([("load", "b"), ("load", "c"), ("store", "s"), ("load", "d")]):
-                w._jobs.put((0 if item[0] == "load" else 1, seq + 10, item))
+            for seq, item in enumerate([LoadItem("b"), LoadItem("c"), store, LoadItem("d")]):
+                w._jobs.put((0 if isinstance(item, LoadItem) else 1, seq + 10, item))
             assert w._more_loads(["a"]) == ["a", "b", "c", "d"]
-            assert w._jobs.get_nowait() == (1, 12, ("store", "s"))
+            assert w._jobs.get_nowait() == (1, 12, store)
             w._jobs.put((2, 99, None))                 # shutdown is never swallowed
             assert w._more_loads(["a"]) == ["a"] and w._jobs.get_nowait()[2] is None
         finally:
