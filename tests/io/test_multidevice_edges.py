@@ -207,7 +207,7 @@ def test_patrol_eio_on_one_bad_sector_never_fences_a_healthy_device(tmp_path, mo
     """The patrol rereads one sector every check: an EIO there forever (a bad sector) is
     one counted error and probes that pass, never the EIO limit and a fence."""
     import errno as _errno
-    import kvstore.io.rank as rankio
+    import kvstore.io.health as rankio
     with _patrol_store(tmp_path) as st:
         rio = st.ranks[0]
         real = os.preadv
@@ -235,7 +235,7 @@ def test_patrol_eio_on_one_bad_sector_never_fences_a_healthy_device(tmp_path, mo
 def test_patrol_eio_then_failed_probe_fences_and_enxio_fences_at_once(tmp_path, monkeypatch):
     import errno as _errno
     import kvstore.store.disk as engine
-    import kvstore.io.rank as rankio
+    import kvstore.io.health as rankio
     with _patrol_store(tmp_path) as st:
         rio = st.ranks[0]
         real = os.preadv

@@ -10,7 +10,7 @@ import pytest
 
 from kvstore.errors import KVStoreError
 from kvstore.format.layout import HEADER_SIZE, Layout
-from kvstore.io import rank as rank_mod
+from kvstore.io import rings as rank_mod
 from kvstore.store.disk import DiskStore
 
 BB = 32 << 10

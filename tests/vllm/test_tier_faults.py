@@ -23,7 +23,7 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvstore.errors import KVStoreError
-from kvstore.io import rank as rank_mod
+from kvstore.io import rings as rank_mod
 from kvstore.io.rank import RankIO
 from kvstore.lookup.table import ServingIndex
 from kvstore.store.disk import DiskStore
