@@ -81,9 +81,17 @@ engine: build $(ENGINE_STAMP)
 demo: engine /usr/bin/fio
 	$(VENV)/bin/kvstore demo
 
-# The whole suite, and where its time goes (the 30 slowest tests).
+# The whole suite, and where its time goes (the 30 slowest tests of each run), in two runs:
+# the tests without real servers and not slow, one at a time; then the real-server (marker
+# e2e) and slow tests on E2E_WORKERS pytest-xdist workers: a server start is mostly one
+# process importing vLLM, and two keep both cores busy (`--dist loadgroup`: the tests of a
+# module with a module-scoped fixture share a worker, every other test is a unit of its own;
+# tests/conftest.py). The second run starts unless the first was interrupted; the target
+# fails if either failed.
+E2E_WORKERS ?= 2
 test: engine /usr/bin/fio
-	$(PY) -m pytest -q --durations=30 tests
+	$(PY) -m pytest -q --durations=30 -m "not e2e and not slow" tests; rc=$$?; [ $$rc -le 1 ] || exit $$rc; \
+	  $(PY) -m pytest -q --durations=30 -n $(E2E_WORKERS) --dist loadgroup -m "e2e or slow" tests && exit $$rc
 
 # No real servers (marker e2e) and no slow tests: the developer's loop, under 5 minutes here.
 # It needs .venv (the real vLLM scheduler runs in the tests) but not .venv-engine, which only

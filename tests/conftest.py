@@ -1,10 +1,18 @@
 """Shared fixtures: real files, real mounts, and leak checks (open fds) after each test;
 the suite's markers (pyproject.toml) applied where a test's place or fixtures say them; a
 SIGTERM of the run turned into a clean teardown; the run's mounts in a mount namespace of
-its own, so that no kill of the run can leave one behind."""
+its own, so that no kill of the run can leave one behind. Under pytest-xdist (`make test`
+runs the e2e and slow tests on two workers) each worker is a pytest process of its own
+(mount namespace, SIGTERM handling); what several workers need once per run (a reference
+server's outputs, a warm store, the test models) is made by the first that asks
+(`run_once`, `make_model`), and the tests of a module with a module-scoped fixture run on
+one worker (`pytest_xdist_make_scheduler`)."""
 import contextlib
 import ctypes
+import fcntl
+import json
 import os
+import re
 import signal
 import subprocess
 import uuid
@@ -28,6 +36,40 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.e2e)
         if MOUNT_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.root)
+
+
+# A module-scoped fixture defined in a test module (a model's reference server, a built wheel).
+_MODULE_FIXTURE = re.compile(r"@pytest\.fixture\([^)]*scope\s*=\s*[\"']module[\"']")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` under pytest-xdist (`make test` runs the e2e and slow tests on
+    two workers with it): the tests of a module that defines a module-scoped fixture run on
+    one worker, which makes the fixture once; every other test is a work unit of its own,
+    so the workers stay busy to the end. (The session fixtures that start servers are made
+    once per run whichever worker asks first: `run_once`.) It takes the place of xdist's
+    own loadgroup, whose `xdist_group` marks this suite does not use (and which pytest 9.2's
+    node ids no longer carry to the scheduler)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+    grouped: dict[str, bool] = {}
+
+    def module_scoped(path: str) -> bool:
+        if path not in grouped:
+            try:
+                grouped[path] = bool(_MODULE_FIXTURE.search((config.rootpath / path).read_text()))
+            except OSError:
+                grouped[path] = False
+        return grouped[path]
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if module_scoped(path) else nodeid
+
+    return ModuleFixtureScheduling(config, log)
 
 
 _PYTEST_PID = os.getpid()
@@ -75,6 +117,76 @@ def pytest_configure(config):
     if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, _sigterm)
     _private_mount_namespace()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive lock on `path` (made if missing) held across processes (flock)."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory) -> Path:
+    """A directory every test process of this run sees: pytest's base temp directory, or
+    under pytest-xdist its parent (the workers' base temp directories are in it; the
+    controller removes it at the end of a run that passed)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def run_once(run_dir):
+    """`run_once(name, make, dump=None, load=None)`: make()'s value, made once per run by
+    the first test process that asks for it (under pytest-xdist the other workers wait for
+    it and read it back: `dump` turns it into JSON, `load` back). A make() that raises
+    leaves nothing behind; the next process that asks makes it again (and fails on its own)."""
+    def once(name, make, dump=None, load=None):
+        out = run_dir / f"once-{name}.json"
+        with _file_lock(run_dir / f"once-{name}.lock"):
+            if out.exists():
+                doc = json.loads(out.read_text())
+                return load(doc) if load else doc
+            value = make()
+            tmp = out.with_suffix(".part")
+            tmp.write_text(json.dumps(dump(value) if dump else value))
+            tmp.rename(out)
+            return value
+    return once
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """(python, description) of the vLLM engine the real-server tests run (tests/e2e, the
+    CLI's demo and bench cases); a missing engine fails loudly, never skips."""
+    from kvstore.drivers.server import engine_python
+    try:
+        return engine_python()
+    except Exception as exc:  # noqa: BLE001
+        pytest.fail(f"no vLLM engine for the real-engine tests: {exc}")
+
+
+@pytest.fixture(scope="session")
+def make_model():
+    """`make_model(python, name)`: the directory of kvstore's model `name`
+    (kvstore.drivers.models), made by `python` (which has torch and transformers) on first
+    use. One process at a time makes it: the first to ask writes it, the others (pytest-xdist
+    workers, a `kvstore` command a test starts afterwards) find it made."""
+    def make(python: str, name: str) -> str:
+        from kvstore.drivers.models import default_dir
+        path = default_dir(name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with _file_lock(Path(os.path.dirname(path)) / f".{name}.lock"):
+            r = subprocess.run([python, "-c", f"from kvstore.drivers.models import ensure_model; "
+                                              f"ensure_model({name!r}, {path!r})"],
+                               capture_output=True, text=True)
+        assert r.returncode == 0, f"making the {name} model failed: {r.stderr[-3000:]}"
+        return path
+    return make
 
 
 @pytest.fixture

@@ -86,11 +86,14 @@ def stores(tmp_path_factory):
 @pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.e2e] * (p in SERVES)
                                                  + [pytest.mark.slow] * (p in SLOW))
                                   for p in sorted(ARGS)], ids=lambda p: "-".join(p))
-def test_json_output_parses_as_one_object(path, stores, tmp_path):
+def test_json_output_parses_as_one_object(path, stores, tmp_path, request):
     args = [a.format(**stores) for a in ARGS[path]]
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
     if path in SERVES:
+        # The tiny model, made before the command looks for it: one test process at a time
+        # makes it (another may be making it for its own servers).
+        request.getfixturevalue("make_model")(request.getfixturevalue("engine")[0], "tiny")
         # vLLM puts its ZMQ sockets in TMPDIR, and a socket path is at most 107 bytes: a
         # server keeps the run's own (short) TMPDIR, not this test's deep tmp_path.
         env["TMPDIR"] = os.environ.get("TMPDIR", "/tmp")

@@ -24,6 +24,9 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 # logprobs by whole units.
 LOGPROB_TOL = 1e-3
 MAX_TOKENS = 8
+# The preemption test (test_real_engine.py): four concurrent prompts of 300 words of the
+# workload's system prompt, each growing by PREEMPT_OUT tokens (fixture `preempt_prompts`).
+PREEMPT_PROMPTS, PREEMPT_TOKENS, PREEMPT_OUT = 4, 300, 320
 
 
 def kvstore_threads(server: VLLMServer) -> dict[str, list[int]]:

@@ -12,14 +12,13 @@ that makes vLLM preempt.
 from __future__ import annotations
 
 import random
-import subprocess
 import threading
 
 import pytest
 
 from e2e_util import MAX_TOKENS, Serve, assert_same, copy_store, fsck, info, wait_stored
 from kvstore.drivers.client import Client
-from kvstore.drivers.models import TINY_GEMMA2, default_dir, words
+from kvstore.drivers.models import TINY_GEMMA2, words
 from kvstore.drivers.workload import Workload
 from test_real_engine import _written_slots, hits
 
@@ -30,13 +29,8 @@ PREEMPT_PROMPTS, PREEMPT_TOKENS, PREEMPT_OUT, PREEMPT_BLOCKS = 4, 300, 96, 64
 
 
 @pytest.fixture(scope="module")
-def gemma_dir(engine):
-    path = default_dir(TINY_GEMMA2.name)
-    r = subprocess.run([engine[0], "-c", f"from kvstore.drivers.models import ensure_model; "
-                                         f"ensure_model({TINY_GEMMA2.name!r}, {path!r})"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return path
+def gemma_dir(engine, make_model):
+    return make_model(engine[0], TINY_GEMMA2.name)
 
 
 @pytest.fixture(scope="module")

@@ -21,39 +21,24 @@ import threading
 
 import pytest
 
-from e2e_util import MAX_TOKENS, Serve, assert_same, fsck, info
+from e2e_util import MAX_TOKENS, assert_same, fsck, info
 from kvstore.drivers.client import Client
-from kvstore.drivers.models import TINY, words
 
 CLIENTS = 8
 KILLS = 3
-# A KV cache of 200 blocks (6,400 tokens) under a pool of 16 documents of 600 tokens: the
-# engine's own prefix cache evicts all the time. max_model_len must fit in that cache.
+# A KV cache of 200 blocks (6,400 tokens) under the pool of 16 documents of 600 tokens
+# (fixture `pool`): the engine's own prefix cache evicts all the time. max_model_len must
+# fit in that cache.
 SMALL = dict(max_model_len=1024, extra_args=["--num-gpu-blocks-override", "200"])
 SOAK_REQUESTS = int(os.environ.get("KVSTORE_SOAK_REQUESTS", "240"))
 SOAK_SAMPLES = 12
 
 
-@pytest.fixture(scope="module")
-def pool():
-    """Prompts of the concurrent traffic: 4 questions over each of 16 shared documents."""
-    rng = random.Random(2024)
-    docs = [words(TINY, 600, rng) for _ in range(16)]
-    return [f"{d} {words(TINY, rng.randint(8, 24), rng)}" for d in docs for _ in range(4)]
-
-
-@pytest.fixture(scope="module")
-def load_reference(engine, model_dir, workload, pool, logs):
-    """A server without kvstore (same cache settings): the workload's completions, and each
-    pool prompt's, sent one at a time."""
-    sv = Serve(engine, model_dir, logs, "load-reference")
-    try:
-        with sv.running(**SMALL) as s:
-            c = Client(s.url)
-            return (workload.replay(c, max_tokens=MAX_TOKENS),
-                    [c.complete(p, max_tokens=MAX_TOKENS) for p in pool])
-    finally:
-        sv.close()
+@pytest.fixture
+def load_reference(references):
+    """What a server without kvstore answers (fixture `references`): the workload's
+    completions, and each pool prompt's, sent one at a time."""
+    return references["workload"], references["pool"]
 
 
 class Traffic:
