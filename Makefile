@@ -32,6 +32,15 @@ $(SYSDEPS):
 	  apt-get install -y -q libxxhash-dev zlib1g-dev >/dev/null; } || { \
 	  echo "error: could not install libxxhash-dev and zlib1g-dev (apt-get); install them, then rerun"; exit 1; }
 
+# Mooncake Store's shared libraries (the fleet's KV pool, kvstore[fleet]: docs/FLEET.md).
+FLEETDEPS := /usr/lib/x86_64-linux-gnu/libibverbs.so.1 /usr/lib/x86_64-linux-gnu/libnuma.so.1 \
+             /usr/lib/x86_64-linux-gnu/libcurl.so.4
+$(FLEETDEPS):
+	@dpkg -s libibverbs1 libnuma1 libcurl4 >/dev/null 2>&1 || { (apt-get update -q && \
+	  apt-get install -y -q libibverbs1 libnuma1 libcurl4) >/dev/null 2>&1; } || { \
+	  echo "error: could not install libibverbs1 libnuma1 libcurl4 (apt-get), which Mooncake Store" \
+	       "(the fleet's KV pool) loads; install them, then rerun"; exit 1; }
+
 # fio: the benchmarks' device-limit reference; `kvstore bench io` and its tests need it.
 /usr/bin/fio:
 	@command -v fio >/dev/null 2>&1 || { (apt-get update -q && apt-get install -y -q fio) >/dev/null 2>&1; } || { \
@@ -49,7 +58,7 @@ define check_disk
 	       "clones and stores under /tmp), then rerun"; exit 1; fi
 endef
 
-$(STAMP): pyproject.toml setup.py tools/vllm_env.py tools/engine_env.py | $(SYSDEPS)
+$(STAMP): pyproject.toml setup.py tools/vllm_env.py tools/engine_env.py | $(SYSDEPS) $(FLEETDEPS)
 	# gcc, the venv module, mkfs.ext4, losetup, root: all that is missing, in one message.
 	$(PYTHON) tools/engine_env.py --check
 	$(if $(wildcard $(PY)),,$(call check_disk,$(NEED_GIB)))
@@ -64,7 +73,7 @@ $(STAMP): pyproject.toml setup.py tools/vllm_env.py tools/engine_env.py | $(SYSD
 	$(PIP) install -q --find-links $(LIBURING_WHEELS) "liburing==2024.5.3" "Cython>=3.0,<3.1" "numpy>=1.26"
 	# vLLM 0.33.0 (CUDA build); on a machine without a GPU, without its GPU kernel packages.
 	$(PYTHON) tools/vllm_env.py $(VENV)
-	$(PIP) install -q --no-build-isolation -e ".[test,bench]"
+	$(PIP) install -q --no-build-isolation -e ".[test,bench,fleet]"
 	touch $(STAMP)
 
 build: $(STAMP) | $(SYSDEPS)

@@ -39,6 +39,53 @@ def main(verbose: bool):
 
 
 @main.group()
+def fleet():
+    """A Mooncake Store KV pool on this machine, shared by engines (docs/FLEET.md)."""
+
+
+@fleet.command("up")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="Where the pool's state and logs go (default: $XDG_RUNTIME_DIR or "
+                   "~/.cache, kvstore-fleet).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address the master and the pool client bind to.")
+@click.option("--master-port", default=50051, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--client-port", default=50052, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--pool-size", default="4G", show_default=True,
+              help="Memory the pool client holds for the pool.")
+def fleet_up(directory, host, master_port, client_port, pool_size):
+    """Start Mooncake's master and a pool client; print the "remote" settings to use."""
+    from kvstore.tools import fleet as fleet_mod
+    try:
+        fl = fleet_mod.up(directory, host=host, master_port=master_port,
+                          client_port=client_port, pool_size=pool_size)
+    except KVStoreError as exc:
+        _fail(exc)
+    click.echo(json.dumps({"remote": fl.remote_config(), "dir": fl.dir,
+                           "master_pid": fl.master_pid, "pool_client_pid": fl.client_pid}))
+
+
+@fleet.command("down")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None)
+def fleet_down(directory):
+    """Stop the pool started by `kvstore fleet up` (its blocks are gone with it)."""
+    from kvstore.tools import fleet as fleet_mod
+    fl = fleet_mod.down(directory)
+    click.echo("no fleet running" if fl is None else f"stopped the pool at {fl.master}")
+
+
+@fleet.command("status")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None)
+def fleet_status(directory):
+    """Whether the pool's processes run, as JSON."""
+    from kvstore.tools import fleet as fleet_mod
+    fl = fleet_mod.Fleet.load(os.path.abspath(directory or fleet_mod.default_dir()))
+    if fl is None:
+        _fail(KVStoreError("no fleet recorded there; start one with `kvstore fleet up`"))
+    click.echo(json.dumps({"remote": fl.remote_config(), **fl.alive()}))
+
+
+@main.group()
 def bench():
     """Benchmarks that print a table (and --json)."""
 

@@ -41,6 +41,8 @@ TORCH = "2.13.0"
 REPO = Path(__file__).resolve().parents[1]
 KVSTORE_BUILD = ["liburing==2024.5.3", "Cython>=3.0,<3.1", "numpy>=1.26", "lmdb>=1.4", "xxhash>=3.4",
                  "click>=8.1", "tqdm>=4.66", "psutil>=5.9"]
+# kvstore[fleet] (pyproject.toml): the engine's store can have a remote level (docs/FLEET.md).
+FLEET = ["mooncake-transfer-engine-non-cuda==0.3.13.post1"]
 
 
 def run(*cmd: str, check: bool = True) -> int:
@@ -155,7 +157,7 @@ def drop_unused_triton(py: str) -> None:
 def install_kvstore(py: str) -> None:
     # The liburing binding's wheel `make` built once for .venv (the same Python), if there.
     wheels = REPO / ".venv" / "wheels"
-    pip(py, *(["--find-links", str(wheels)] if wheels.is_dir() else []), *KVSTORE_BUILD)
+    pip(py, *(["--find-links", str(wheels)] if wheels.is_dir() else []), *KVSTORE_BUILD, *FLEET)
     # Editable, as in the main venv: the engine runs the working tree's kvstore. The build
     # (both venvs are the same Python) writes the same in-place extension modules.
     pip(py, "--no-build-isolation", "--no-deps", "-e", str(REPO))

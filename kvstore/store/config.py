@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 from kvstore.errors import ConfigError
 from kvstore.format.layout import normalize_data_dirs, parse_size
@@ -21,7 +21,7 @@ from kvstore.io.threads import io_nice, parse_cpus
 # The keys of a store's settings, as the connector and the tier take them.
 STORE_KEYS = ("path", "capacity", "io_mode", "queue_depth", "verify", "durability", "staging",
               "create", "slot_pool", "data_dirs", "device_eio_limit", "device_eio_window_s",
-              "thread_cpus", "io_thread_nice", "on_model_change")
+              "thread_cpus", "io_thread_nice", "on_model_change", "remote")
 
 
 class Options:
@@ -76,6 +76,7 @@ class StoreConfig:
     thread_cpus: frozenset[int] | None = None   # CPUs kvstore's threads run on (None: any)
     io_thread_nice: int = 0           # nice increment of kvstore's I/O threads (kvstore.io.threads)
     on_model_change: str = "reset"    # a store of other weights: "reset" it, or "refuse"
+    remote: "RemoteConfig | None" = None   # a KV pool shared by a fleet (kvstore.remote)
 
     @property
     def sync(self) -> bool:
@@ -113,7 +114,67 @@ class StoreConfig:
                                    else opt.integer("io_thread_nice", None, 0, 19),
                                    forward_on_host),
             on_model_change=opt.choice("on_model_change", "reset", ("reset", "refuse")),
+            remote=RemoteConfig.parse(extra.get("remote"), prefix),
         )
+
+
+REMOTE_KINDS = ("mooncake",)
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """The second level of a store: a KV pool the fleet shares (`"remote"` in the store's
+    settings; docs/FLEET.md). kvstore's fleet agent (`kvstore.remote.agent`) fills the
+    local store from it on a local miss and publishes what this node stores."""
+
+    kind: str = "mooncake"
+    master: str = "127.0.0.1:50051"     # Mooncake Store's master (host:port)
+    local_hostname: str = "127.0.0.1"   # this node's address as the pool's peers reach it
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"               # "tcp", or "rdma" with `rdma_devices`
+    rdma_devices: str = ""
+    buffer_bytes: int = 64 << 20        # the agent's registered transfer buffer
+    publish_queue: int = 4096           # blocks waiting to be published; more are dropped
+    fetch_timeout_s: float = 2.0        # a lookup waits at most this for the pool
+
+    @classmethod
+    def parse(cls, value, prefix: str = "kvstore") -> "RemoteConfig | None":
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ConfigError(f'{prefix}: remote={value!r} must be an object, e.g. '
+                              f'{{"kind": "mooncake", "master": "127.0.0.1:50051"}}')
+        names = {f.name for f in fields(cls)} - {"buffer_bytes"} | {"buffer"}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ConfigError(f"{prefix}: unknown remote key(s) {unknown}; valid keys: "
+                              f"{sorted(names)} (see docs/FLEET.md)")
+        opt = Options(value, f"{prefix}: remote")
+        master = value.get("master", cls.master)
+        host, _, port = master.rpartition(":") if isinstance(master, str) else ("", "", "")
+        if not host or not port.isdigit():
+            raise ConfigError(f"{prefix}: remote master={master!r} must be host:port of Mooncake "
+                              "Store's master, e.g. \"127.0.0.1:50051\"")
+        strings = {}
+        for name in ("local_hostname", "metadata_server", "rdma_devices"):
+            v = value.get(name, getattr(cls, name))
+            if not isinstance(v, str):
+                raise ConfigError(f"{prefix}: remote {name}={v!r} must be a string")
+            strings[name] = v
+        buffer_bytes = parse_size(value.get("buffer", cls.buffer_bytes))
+        if buffer_bytes < 1 << 20:
+            raise ConfigError(f"{prefix}: remote buffer={value.get('buffer')!r} is under 1 MiB; "
+                              "it must hold one block of every rank")
+        return cls(kind=opt.choice("kind", "mooncake", REMOTE_KINDS), master=master,
+                   protocol=opt.choice("protocol", "tcp", ("tcp", "rdma")),
+                   buffer_bytes=buffer_bytes,
+                   publish_queue=opt.integer("publish_queue", cls.publish_queue, 0, 1 << 24),
+                   fetch_timeout_s=opt.seconds("fetch_timeout_s", cls.fetch_timeout_s), **strings)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["buffer"] = d.pop("buffer_bytes")
+        return d
 
 
 def _data_dirs(value, prefix: str) -> tuple[str, ...] | None:

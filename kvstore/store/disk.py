@@ -464,15 +464,17 @@ class DiskStore:
         return [r.key for r in good]
 
     def get(self, keys: Sequence[bytes], *, verify: str = "checksum", rank: int | None = None,
-            touch: bool = True) -> dict:
+            touch: bool = True, count: bool = True) -> dict:
         """Read the longest cached prefix of `keys`: {key: [bytes per rank]} for verified blocks.
 
         A block that fails verification is dropped from the index and left out (with every
-        block after it, since a prefix stops at its first hole).
+        block after it, since a prefix stops at its first hole). `count=False`: the read
+        is not a hit or miss in the store's counters (the fleet agent's publishing).
         """
         entries = self.longest_prefix(keys)
         if not entries:
-            self.count_hits(0, 1)
+            if count:
+                self.count_hits(0, 1)
             return {}
         self.pin(e.slot for e in entries)
         kept = self._still_standing(entries)
@@ -480,7 +482,8 @@ class DiskStore:
             self.unpin(e.slot for e in entries[len(kept):])
             entries = kept
             if not entries:
-                self.count_hits(0, 1)
+                if count:
+                    self.count_hits(0, 1)
                 return {}
         refs = [SlotRef(e.key, e.slot, e.generation) for e in entries]
         out: dict[bytes, list] = {r.key: [] for r in refs}
@@ -506,7 +509,8 @@ class DiskStore:
                 out.pop(r.key, None)
         if touch and out and not self.readonly:
             self.touch(list(out))
-        self.count_hits(len(out), 0 if len(out) == len(keys) else 1)
+        if count:
+            self.count_hits(len(out), 0 if len(out) == len(keys) else 1)
         return out
 
 

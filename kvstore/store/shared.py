@@ -48,7 +48,7 @@ MAGIC_LEASE = 0x6B766C6561736531      # "kvlease1"
 W_MAGIC, W_CAPACITY, W_EPOCH, W_VALID, W_EVICTIONS, W_ATTACHED = range(6)
 # lease header words
 L_MAGIC, L_PID, L_START, L_STARTED_US, L_KIND, L_CAPACITY = range(6)
-KINDS = {1: "engine", 2: "warmup", 3: "tool"}
+KINDS = {1: "engine", 2: "warmup", 3: "tool", 4: "fleet"}
 _KIND_CODE = {v: k for k, v in KINDS.items()}
 _OWNER = struct.Struct(">IQ")          # owner id: pid, start ticks (12 bytes)
 

@@ -20,6 +20,10 @@ COUNTERS = {
     "evicted_blocks": "Blocks evicted from the disk store (LRU)",
     "load_failures": "Blocks whose load failed (I/O error, checksum mismatch, timeout): recomputed",
     "admission_rejected_blocks": "Blocks not stored at their first sighting (admission second_sight)",
+    "pool_lookups": "Local misses asked of the fleet's KV pool (remote)",
+    "pool_filled_blocks": "Blocks the KV pool filled into the local store for a lookup",
+    "pool_timeouts": "Pool lookups that did not answer within remote.fetch_timeout_s",
+    "pool_published_blocks": "Blocks handed to the fleet agent to publish to the KV pool",
 }
 GAUGES = {
     "used_slots": "Slots holding a committed block",

@@ -84,7 +84,8 @@ class StoreCommits:
         # The index thread releases the job's keys from `storing` itself, once its good
         # blocks are in the table: no per-block work here when the commit comes back.
         self.index.commit_blocks(st.keys, st.slots, st.generations, failed, tag=st,
-                                 packed=st.hashed, keys_back=self.ctx.events_enabled,
+                                 packed=st.hashed,
+                                 keys_back=self.ctx.events_enabled or self.ctx.remote is not None,
                                  release=self.storing)
         # The queued commit holds vLLM's hashes now, mostly their last reference (the
         # requests have finished): they are freed on the index thread, not here.
@@ -112,6 +113,12 @@ class StoreCommits:
         self.stored_blocks_total += n
         if not st.reset:
             self.stats.add(stored_blocks=n, store_dropped_blocks=ev.failed)
+            remote = self.ctx.remote
+            if remote is not None and keys and n:
+                # to the pool, behind the serving path (the agent reads them back from
+                # disk; a failed block is not in the index and is skipped there)
+                remote.publish(keys)
+                self.stats.add(pool_published_blocks=n)
         return keys
 
     def reset(self) -> None:

@@ -30,6 +30,9 @@ class SchedulerContext:
     # store and load every group as vLLM's hybrid coordinator defines a hit.
     group_kinds: list[tuple[str, int]]
     events_enabled: bool
+    # The fleet agent's client (`kvstore.remote.client.RemoteClient`) when the store has a
+    # remote level, else None.
+    remote: Any = None
     requests: dict[str, Any] = field(default_factory=dict)
     stats: KVStoreStats = field(default_factory=KVStoreStats)
     hybrid: bool = field(init=False)

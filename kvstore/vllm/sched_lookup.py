@@ -5,10 +5,13 @@ request's re-entries, the load job once vLLM allocated its blocks, and the load'
 (unpins, LRU touches, failed blocks)."""
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import KVStoreError
+from kvstore.format.layout import block_key
 from kvstore.vllm.metadata import LoadJob
 from kvstore.vllm.sched_context import SchedulerContext
 
@@ -47,6 +50,14 @@ class HybridCandidate:
 
 
 @dataclass(slots=True)
+class PoolWait:
+    """A lookup the fleet agent is answering from the KV pool: vLLM asks again each step
+    (the lookup answered None: "not known yet") until `deadline`."""
+    token: int
+    deadline: float
+
+
+@dataclass(slots=True)
 class InflightLoad:
     """A load the workers run: its job (`job.slots` are pinned until it ends) and the
     blocks of it any rank reported failed so far (a rank reports when its part ends,
@@ -72,6 +83,13 @@ class Lookups:
         # never read the disk again, or a stalled disk would make them load, time out and
         # look up the same blocks forever (a block-0 failure resets num_computed_tokens).
         self.failed: set[str] = set()
+        # The store's remote level (`ctx.remote`): a request's local miss is asked of the
+        # KV pool once; the lookup answers None (vLLM asks again next step) until the
+        # fleet agent filled the local store or `fetch_timeout_s` passed.
+        self.remote = ctx.remote
+        self.pool_wait: dict[str, PoolWait] = {}
+        self.pool_asked: set[str] = set()
+        self._pool_tokens = itertools.count(1)
 
     def release(self, req_id: str) -> None:
         """Unpin the request's hit, if a lookup pinned one that no load took."""
@@ -83,6 +101,11 @@ class Lookups:
         """The request finished (or was aborted)."""
         self.release(req_id)
         self.failed.discard(req_id)
+        if self.remote is not None:
+            self.pool_asked.discard(req_id)
+            w = self.pool_wait.pop(req_id, None)
+            if w is not None:
+                self.remote.abandon(w.token)
 
     def take_pending(self) -> list[LoadJob]:
         """The load jobs for this step's metadata."""
@@ -115,6 +138,8 @@ class Lookups:
             return 0, False
         if self.ctx.hybrid:
             return self._match_hybrid(request, start, end)
+        if req_id in self.pool_wait and self._pool_pending(req_id):
+            return None, False
         try:
             # In C over the in-memory table; pinned: eviction skips them. Packed: the
             # slots and generations as arrays, no key made (they are the hashes + group).
@@ -124,6 +149,12 @@ class Lookups:
             self.ctx.warn_once("lookup", exc)
             return 0, False
         n = len(slots)
+        want = min(end, len(request.block_hashes)) - start
+        if n < want and self.remote is not None and req_id not in self.pool_asked \
+                and self._ask_pool(req_id, request.block_hashes, start + n, start + want):
+            if n:
+                self.index.unpin(slots)
+            return None, False
         if not n:
             self.stats.add(miss_lookups=1)
             self.index.count_hits(0, 1)
@@ -133,6 +164,38 @@ class Lookups:
         # As DiskStore.get counts: hits in blocks, a miss per lookup that stopped short.
         self.index.count_hits(n, 0 if n == min(end, len(request.block_hashes)) - start else 1)
         return n * bs, True
+
+    # -- the KV pool (the store's remote level) ------------------------------------------
+    # Blocks asked of the pool at most per lookup (the agent fills the local store with
+    # the prefix of them the pool has).
+    POOL_ASK_BLOCKS = 4096
+
+    def _ask_pool(self, req_id: str, hashes, lo: int, hi: int) -> bool:
+        """Ask the fleet agent for blocks lo..hi of the request (once per request): True
+        when it took the question, and the lookup answers None until it is answered."""
+        self.pool_asked.add(req_id)
+        keys = [block_key(h) for h in hashes[lo:min(hi, lo + self.POOL_ASK_BLOCKS)]]
+        token = next(self._pool_tokens)
+        if not self.remote.ask(token, keys):
+            return False
+        self.stats.add(pool_lookups=1)
+        self.pool_wait[req_id] = PoolWait(token, time.monotonic() + self.ctx.cfg.remote.fetch_timeout_s)
+        return True
+
+    def _pool_pending(self, req_id: str) -> bool:
+        """Whether the request still waits for the pool; once not, its lookup reads the
+        local store, which holds what the agent filled."""
+        w = self.pool_wait[req_id]
+        got = self.remote.answer(w.token)
+        if got is None and time.monotonic() < w.deadline and not self.remote.down:
+            return True
+        del self.pool_wait[req_id]
+        if got is None:
+            self.remote.abandon(w.token)
+            self.stats.add(pool_timeouts=1)
+        elif got > 0:
+            self.stats.add(pool_filled_blocks=got)
+        return False
 
     def _match_hybrid(self, request, start: int, end: int) -> tuple[int, bool]:
         """vLLM's hybrid hit against the disk: the longest end such that every full-

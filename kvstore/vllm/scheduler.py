@@ -71,8 +71,14 @@ class KVStoreScheduler:
             announce=self.events.announce if events_enabled else None,
             evicted_keys=events_enabled)
         self.store = self.index.store
+        # The store's remote level (a KV pool the fleet shares): its agent process fills
+        # the local store on a miss and publishes what is stored here (kvstore.remote).
+        remote = None
+        if cfg.remote is not None:
+            from kvstore.remote.client import RemoteClient
+            remote = RemoteClient(self.store.path, cfg.remote, io_mode=cfg.io_mode)
         self.ctx = SchedulerContext(cfg, self.index, self.block_size, self.group_kinds,
-                                    events_enabled)
+                                    events_enabled, remote)
         self.requests = self.ctx.requests       # vLLM's requests by id, until finished
         self.lookups = Lookups(self.ctx)
         self.commits = StoreCommits(self.ctx, self.tp_size)
@@ -235,6 +241,8 @@ class KVStoreScheduler:
 
     def shutdown(self) -> None:
         index_stopped = True
+        if self.ctx.remote is not None:
+            self.ctx.remote.close()
         try:
             abandoned = self.commits.abandoned()
             if abandoned and not self.store.closed:

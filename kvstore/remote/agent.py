@@ -1,0 +1,317 @@
+"""The fleet agent: one process per engine between its local store and the KV pool.
+
+`FleetAgent` does the work, on the store through a `DiskStore` handle of its own (an
+attached writer of the store, as `kvstore warmup` is while engines serve: what it writes
+the engines find in LMDB on their next lookup):
+
+- `fetch(keys)`: the blocks of `keys` (a request's chain after its local hit) that the
+  pool has on every rank, read into the registered buffer, verified (`records.check`:
+  checksum, fingerprint digest, key, rank) and written into the local store. A bad
+  record is never written, counted, and removed from the pool; the chain stops there.
+- `publish(keys)`: blocks this engine stored, read back verified from the local store
+  and put into the pool unless it has them.
+
+`main()` runs it as a process (`python -m kvstore.remote.agent`, started by
+`client.RemoteClient`): messages come over a pipe; fetches go first, publishes wait in a
+bounded queue (more are dropped and counted); it exits when the engine's end of the pipe
+closes, or when the engine dies (PR_SET_PDEATHSIG).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+
+from kvstore.errors import KVStoreError
+from kvstore.format.layout import stored_identity
+from kvstore.remote.mooncake import MooncakePool
+from kvstore.remote.records import HEADER_SIZE, check, encode_into, fingerprint_digest, pool_key
+from kvstore.store.config import RemoteConfig
+from kvstore.store.disk import DiskStore
+
+log = logging.getLogger("kvstore.remote")
+
+
+@dataclass(slots=True)
+class AgentStats:
+    """What the agent did since it started (the engine reports them: `kvstore info`,
+    the connector's metrics)."""
+    fetches: int = 0
+    pool_hit_blocks: int = 0        # blocks the pool had on every rank, read
+    filled_blocks: int = 0          # of them, written into the local store
+    fill_bytes: int = 0
+    verify_failed: int = 0          # records refused (corrupt, another fingerprint or block)
+    published_blocks: int = 0
+    publish_bytes: int = 0
+    publish_dropped: int = 0        # blocks the bounded publish queue had no room for
+    pool_errors: int = 0
+    pool_down: bool = False
+
+
+class FleetAgent:
+    """See the module docstring. Not thread-safe: one caller (the agent's main loop)."""
+
+    def __init__(self, store_path: str, cfg: RemoteConfig, *, io_mode: str = "direct",
+                 pool: MooncakePool | None = None):
+        self.cfg = cfg
+        self.store = DiskStore(store_path, io=True, io_mode=io_mode, kind="fleet",
+                               staging_bytes=32 << 20)
+        try:
+            lay = self.store.layout
+            ident = stored_identity(self.store.fingerprint)
+            self.digest = fingerprint_digest(lay, None if ident is None else ident.to_dict())
+            self.tp = lay.tp_size
+            self.payload = lay.block_bytes
+            self.record = -(-(HEADER_SIZE + self.payload) // 64) * 64
+            if self.record * self.tp > cfg.buffer_bytes:
+                raise KVStoreError(f"the remote buffer ({cfg.buffer_bytes} bytes) cannot hold one "
+                                   f"block of every rank ({self.record * self.tp} bytes); raise "
+                                   "remote.buffer")
+            self.chunk = cfg.buffer_bytes // (self.record * self.tp)
+            self.pool = pool or MooncakePool(cfg)
+        except BaseException:
+            self.store.close()
+            raise
+        self.stats = AgentStats()
+
+    def _names(self, keys: list[bytes]) -> list[str]:
+        return [pool_key(self.digest, k, r) for k in keys for r in range(self.tp)]
+
+    def _off(self, j: int) -> int:
+        return j * self.record
+
+    # -- fetch -----------------------------------------------------------------------------
+    def fetch(self, keys: list[bytes]) -> int:
+        """Blocks of the prefix of `keys` local after the fetch (found there, or filled)."""
+        st = self.stats
+        st.fetches += 1
+        local = len(self.store.longest_prefix(keys))
+        pos = local
+        while pos < len(keys):
+            part = keys[pos:pos + self.chunk]
+            got = self._fetch_part(part)
+            pos += got
+            if got < len(part):
+                break
+        self._sync_pool_stats()
+        return pos
+
+    def _fetch_part(self, part: list[bytes]) -> int:
+        st, tp, buf = self.stats, self.tp, self.pool.buffer
+        names = self._names(part)
+        have = self.pool.exists(names)
+        if have is None:
+            return 0
+        n = 0
+        while n < len(part) and all(have[n * tp:(n + 1) * tp]):
+            n += 1
+        if not n:
+            return 0
+        names = names[:n * tp]
+        size = HEADER_SIZE + self.payload
+        read = self.pool.get_into(names, [self._off(j) for j in range(len(names))],
+                                  [size] * len(names))
+        if read is None:
+            return 0
+        good = 0
+        for i in range(n):
+            for r in range(tp):
+                j = i * tp + r
+                o = self._off(j)
+                why = (f"read returned {read[j]}" if read[j] != size
+                       else check(buf[o:o + size], self.digest, part[i], r, self.payload))
+                if why is not None:
+                    break
+            else:
+                good += 1
+                continue
+            if read[j] == size:     # a bad record (not a plain miss): never served again
+                st.verify_failed += 1
+                self.pool.remove(names[j])
+                log.warning("kvstore: pool record %s refused (%s); the block is recomputed",
+                            names[j], why)
+            break
+        st.pool_hit_blocks += good
+        if not good:
+            return 0
+
+        def payload(i: int, r: int):
+            o = self._off(i * tp + r) + HEADER_SIZE
+            return buf[o:o + self.payload]
+        try:
+            stored = self.store.put(part[:good], payload)
+        except KVStoreError as exc:     # the local store is full of pinned blocks, or failing
+            log.warning("kvstore: writing pool blocks into the local store failed: %s", exc)
+            return 0
+        st.filled_blocks += len(stored)
+        st.fill_bytes += len(stored) * tp * self.payload
+        # blocks another writer stored meanwhile count as local too
+        return len(self.store.longest_prefix(part[:good]))
+
+    # -- publish ---------------------------------------------------------------------------
+    def publish(self, keys: list[bytes]) -> int:
+        """Put the blocks of `keys` this store holds into the pool (those it lacks, skipped).
+        Returns the blocks the pool took."""
+        done = 0
+        for pos in range(0, len(keys), self.chunk):
+            done += self._publish_part(keys[pos:pos + self.chunk])
+        self._sync_pool_stats()
+        return done
+
+    def _publish_part(self, part: list[bytes]) -> int:
+        st, tp, buf = self.stats, self.tp, self.pool.buffer
+        have = self.pool.exists(self._names(part))
+        if have is None:
+            return 0
+        part = [k for i, k in enumerate(part) if not all(have[i * tp:(i + 1) * tp])]
+        data: dict[bytes, list] = {}
+        rest = part
+        while rest:     # the local store's prefix reads stop at a hole: go on after it
+            got = self.store.get(rest, verify="checksum", touch=False, count=False)
+            data.update(got)
+            rest = rest[len(got) + 1:]
+        keys = [k for k in part if k in data]
+        if not keys:
+            return 0
+        size = HEADER_SIZE + self.payload
+        for i, k in enumerate(keys):
+            for r in range(tp):
+                o = self._off(i * tp + r)
+                encode_into(buf[o:o + size], self.digest, k, r, data[k][r])
+        names = self._names(keys)
+        codes = self.pool.put_from(names, [self._off(j) for j in range(len(names))],
+                                   [size] * len(names))
+        if codes is None:
+            return 0
+        ok = sum(1 for i in range(len(keys)) if all(c == 0 for c in codes[i * tp:(i + 1) * tp]))
+        st.published_blocks += ok
+        st.publish_bytes += ok * tp * self.payload
+        return ok
+
+    def _sync_pool_stats(self) -> None:
+        self.stats.pool_errors = self.pool.errors
+        self.stats.pool_down = not self.pool.connected
+
+    def close(self) -> None:
+        self.pool.close()
+        self.store.close()
+
+
+# -- the process ---------------------------------------------------------------------------
+
+class _Inbox:
+    """Messages from the engine: fetches (in order, first) and publishes (a bounded queue
+    of blocks; what does not fit is dropped and counted)."""
+
+    def __init__(self, conn: Connection, publish_limit: int, stats: AgentStats):
+        self.conn, self.limit, self.stats = conn, publish_limit, stats
+        self.fetches: deque = deque()
+        self.publishes: deque = deque()
+        self.queued_blocks = 0
+        self.other: deque = deque()
+        self.closed = False
+        self.cv = threading.Condition()
+        threading.Thread(target=self._read, name="kvstore-fleet-inbox", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                msg = ("stop",)
+            with self.cv:
+                kind = msg[0]
+                if kind == "fetch":
+                    self.fetches.append(msg)
+                elif kind == "publish":
+                    keys = msg[1]
+                    if self.queued_blocks + len(keys) > self.limit:
+                        self.stats.publish_dropped += len(keys)
+                    else:
+                        self.publishes.append(keys)
+                        self.queued_blocks += len(keys)
+                else:
+                    self.other.append(msg)
+                self.cv.notify()
+            if kind == "stop":
+                return
+
+    def next(self):
+        with self.cv:
+            while not (self.fetches or self.other or self.publishes):
+                self.cv.wait()
+            if self.other:
+                return self.other.popleft()
+            if self.fetches:
+                return self.fetches.popleft()
+            keys = self.publishes.popleft()
+            self.queued_blocks -= len(keys)
+            return ("publish", keys)
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except Exception:   # noqa: BLE001 (not Linux)
+        pass
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="kvstore's fleet agent (started by the engine)")
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--remote", required=True, help="the store's remote settings (JSON)")
+    ap.add_argument("--io-mode", default="direct")
+    ap.add_argument("--fd-in", type=int, required=True)
+    ap.add_argument("--fd-out", type=int, required=True)
+    a = ap.parse_args(argv)
+    _die_with_parent()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    out = Connection(a.fd_out, readable=False)
+    conn = Connection(a.fd_in, writable=False)
+    try:
+        agent = FleetAgent(a.store, RemoteConfig.parse(json.loads(a.remote)), io_mode=a.io_mode)
+    except Exception as exc:    # noqa: BLE001
+        out.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return 1
+    inbox = _Inbox(conn, agent.cfg.publish_queue, agent.stats)
+    agent.pool.available()      # connect now: the first fetch should not pay for it
+    out.send(("ready", os.getpid()))
+    try:
+        while True:
+            msg = inbox.next()
+            kind = msg[0]
+            if kind == "stop":
+                return 0
+            if kind == "fetch":
+                _, token, keys = msg
+                t0 = time.monotonic()
+                try:
+                    n = agent.fetch(keys)
+                except Exception as exc:    # noqa: BLE001 (a request never fails for the pool)
+                    log.warning("kvstore: fetch from the pool failed: %s", exc)
+                    n = -1
+                out.send(("fetched", token, n, time.monotonic() - t0))
+            elif kind == "publish":
+                try:
+                    agent.publish(msg[1])
+                except Exception as exc:    # noqa: BLE001
+                    log.warning("kvstore: publishing to the pool failed: %s", exc)
+            elif kind == "stats":
+                out.send(("stats", msg[1], asdict(agent.stats)))
+    except (BrokenPipeError, EOFError, OSError):
+        return 0
+    finally:
+        agent.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
