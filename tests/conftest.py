@@ -189,6 +189,25 @@ def make_model():
     return make
 
 
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    """A real Mooncake Store pool on loopback (`kvstore.tools.fleet`: its master and one
+    standalone pool client) for a module's tests, which use keys of their own stores."""
+    from kvstore.tools import fleet
+    fl = fleet.up(str(tmp_path_factory.mktemp("fleet")), pool_size="256M")
+    yield fl
+    fleet.down(fl.dir)
+
+
+@pytest.fixture
+def own_pool(tmp_path):
+    """A pool of the test's own, for tests that kill a part of it."""
+    from kvstore.tools import fleet
+    fl = fleet.up(str(tmp_path / "fleet"), pool_size="64M")
+    yield fl
+    fleet.down(fl.dir)
+
+
 @pytest.fixture
 def fd_leak_check():
     """Fail the test if it leaves file descriptors open (io_uring rings, slot files)."""

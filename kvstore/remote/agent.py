@@ -60,6 +60,8 @@ class AgentStats:
 class FleetAgent:
     """See the module docstring. Not thread-safe: one caller (the agent's main loop)."""
 
+    CONNECT_WAIT_S = 3.0
+
     def __init__(self, store_path: str, cfg: RemoteConfig, *, io_mode: str = "direct",
                  pool: MooncakePool | None = None):
         self.cfg = cfg
@@ -82,6 +84,9 @@ class FleetAgent:
             self.store.close()
             raise
         self.stats = AgentStats()
+        # connect now (the first fetch should not pay for it), waiting a little: against
+        # a master that does not answer, Mooncake's setup goes on in the background
+        self.pool.available(wait=self.CONNECT_WAIT_S)
 
     def _names(self, keys: list[bytes]) -> list[str]:
         return [pool_key(self.digest, k, r) for k in keys for r in range(self.tp)]
@@ -201,9 +206,15 @@ class FleetAgent:
         self.stats.pool_errors = self.pool.errors
         self.stats.pool_down = not self.pool.connected
 
-    def close(self) -> None:
-        self.pool.close()
-        self.store.close()
+    def close(self, pool: bool = True) -> None:
+        """Close the store (its lease ends) and, with `pool`, the pool's connection (the
+        agent process leaves that to its exit: Mooncake's close waits on a master that
+        died)."""
+        try:
+            if pool:
+                self.pool.close()
+        finally:
+            self.store.close()
 
 
 # -- the process ---------------------------------------------------------------------------
@@ -274,7 +285,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fd-out", type=int, required=True)
     a = ap.parse_args(argv)
     _die_with_parent()
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     out = Connection(a.fd_out, readable=False)
     conn = Connection(a.fd_in, writable=False)
     try:
@@ -283,7 +294,6 @@ def main(argv=None) -> int:
         out.send(("failed", f"{type(exc).__name__}: {exc}"))
         return 1
     inbox = _Inbox(conn, agent.cfg.publish_queue, agent.stats)
-    agent.pool.available()      # connect now: the first fetch should not pay for it
     out.send(("ready", os.getpid()))
     try:
         while True:
@@ -310,8 +320,12 @@ def main(argv=None) -> int:
     except (BrokenPipeError, EOFError, OSError):
         return 0
     finally:
-        agent.close()
+        agent.close(pool=False)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)      # not through Mooncake's teardown, which waits on a dead master

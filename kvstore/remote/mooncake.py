@@ -5,14 +5,18 @@ transfer buffer, with `batch_is_exist`, `batch_get_into` and `batch_put_from`.
 
 A pool that is down or slow never raises: an operation that fails marks the pool down
 for `RETRY_S` (every call answers "unavailable" meanwhile, at once) and counts the error;
-the next call after that reconnects. Mooncake's own calls against a dead master take
-seconds each (its RPC retries), which is why they run in the fleet agent, never in an
-engine's process.
+the next call after that reconnects, on a thread of its own, once the master's port
+accepts a TCP connection (Mooncake's setup against a master that is not there retries for
+~30 s, holding the GIL): calls answer "unavailable" until it is done.
+Mooncake's calls against a master that died take seconds each (its RPC retries), which is
+why they run in the fleet agent, never in an engine's process.
 """
 from __future__ import annotations
 
 import logging
 import mmap
+import socket
+import threading
 import time
 
 import numpy as np
@@ -34,6 +38,7 @@ class MooncakePool:
     """One connection to the pool and its registered buffer (`buffer`, a numpy view)."""
 
     RETRY_S = 5.0
+    PROBE_S = 1.0       # the master's port must accept a connection within this
 
     def __init__(self, cfg: RemoteConfig):
         self.cfg = cfg
@@ -41,6 +46,7 @@ class MooncakePool:
         self.buffer = np.frombuffer(self._mem, dtype=np.uint8)
         self.base = self.buffer.ctypes.data
         self._store = None
+        self._connecting: threading.Thread | None = None
         self._down_until = 0.0
         self.errors = 0
         self.reconnects = 0
@@ -52,9 +58,14 @@ class MooncakePool:
         return self._store is not None
 
     def _connect(self):
+        c = self.cfg
+        host, _, port = c.master.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=self.PROBE_S).close()
+        except OSError as exc:
+            raise PoolUnavailable(f"master {c.master} does not answer ({exc})") from None
         from mooncake.store import MooncakeDistributedStore
         s = MooncakeDistributedStore()
-        c = self.cfg
         # global_segment_size 0: this client holds no pool memory (it would vanish with
         # the engine); a small local buffer for Mooncake's own non-registered transfers.
         rc = s.setup(c.local_hostname, c.metadata_server, 0, 16 << 20, c.protocol,
@@ -67,19 +78,30 @@ class MooncakePool:
             raise PoolUnavailable(f"registering the transfer buffer returned {rc}")
         return s
 
-    def available(self) -> bool:
-        """Connected, or connected now; False while the pool is marked down."""
+    def available(self, wait: float = 0.0) -> bool:
+        """Connected; else False, and a connection is made in the background (unless the
+        pool is marked down, or one is being made). `wait`: seconds to wait for it."""
         if self._store is not None:
             return True
-        if time.monotonic() < self._down_until:
-            return False
+        t = self._connecting
+        if t is None and time.monotonic() >= self._down_until:
+            t = self._connecting = threading.Thread(target=self._connect_in_background,
+                                                    name="kvstore-pool-connect", daemon=True)
+            t.start()
+        if t is not None and wait > 0:
+            t.join(wait)
+        return self._store is not None
+
+    def _connect_in_background(self) -> None:
         try:
-            self._store = self._connect()
-            self.reconnects += 1
-            return True
+            store = self._connect()
         except Exception as exc:    # noqa: BLE001 (ImportError, setup errors)
             self._down(f"connect: {exc}")
-            return False
+        else:
+            self._store = store
+            self.reconnects += 1
+        finally:
+            self._connecting = None
 
     def _down(self, why: str) -> None:
         self.errors += 1

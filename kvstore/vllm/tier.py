@@ -84,6 +84,9 @@ class TierMetrics:
     VERIFY_FAILURES = METRIC_PREFIX + "verify_failures"
     EVICTED_CHUNKS = METRIC_PREFIX + "evicted_chunks"
     STORE_DROPPED_CHUNKS = METRIC_PREFIX + "store_dropped_chunks"
+    POOL_LOOKUPS = METRIC_PREFIX + "pool_lookups"
+    POOL_FILLED_CHUNKS = METRIC_PREFIX + "pool_filled_chunks"
+    POOL_TIMEOUTS = METRIC_PREFIX + "pool_timeouts"
 
 
 class KVStoreTier(SecondaryTierManager):
@@ -111,6 +114,10 @@ class KVStoreTier(SecondaryTierManager):
         self._store = self._sidx = None
         self._rio_load = self._rio_store = None
         self.io: TierIO | None = None
+        # The store's remote level (the fleet's KV pool, kvstore.remote): its fleet
+        # agent's client, and the keys asked of it (lookups answer RETRY meanwhile).
+        self.remote = None
+        self.pool = None
         self._threads: list[threading.Thread] = []
 
         row = int(primary_kv_view.strides[0])
@@ -173,6 +180,12 @@ class KVStoreTier(SecondaryTierManager):
                              self._events, self._events_on, self.medium, self.locality)
             self._fenced = self.io.fenced       # the devices the I/O threads fenced
             self._threads = self.io.threads
+            if cfg.remote is not None:
+                from kvstore.remote.asks import KeyAsks
+                from kvstore.remote.client import RemoteClient
+                self.remote = RemoteClient(self._store.path, cfg.remote, io_mode=cfg.io_mode)
+                self.pool = KeyAsks(self.remote, cfg.remote.fetch_timeout_s)
+                self.io.on_committed = self.remote.publish
             self.io.start()
         except BaseException:
             self._close_store()
@@ -190,16 +203,39 @@ class KVStoreTier(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if self.closed:
             return LookupResult.MISS
+        if self._local(key):
+            self._counts.hits += 1
+            return LookupResult.HIT
+        if self.pool is None:
+            return LookupResult.MISS
+        # The KV pool: RETRY while it is asked (vLLM defers the request and goes on
+        # scanning its keys, which are asked together at the step's end); once it
+        # answered, what it had is in the local store.
+        state = self.pool.state(key, req_context.req_id)
+        if state == "retry":
+            return LookupResult.RETRY
+        if state == "filled" and self._local(key):
+            self._counts.hits += 1
+            return LookupResult.HIT
+        return LookupResult.MISS
+
+    def _local(self, key: OffloadKey) -> bool:
         sidx = self._sidx
-        if not sidx.contains(key):
-            # another engine on the store may have it (in LMDB, not in this table): one
-            # index read, only while other engines are attached; the entry joins the table
-            slots, _ = sidx.lookup_pin([key])
-            if not slots:
-                return LookupResult.MISS
-            sidx.unpin(slots)
-        self._counts.hits += 1
-        return LookupResult.HIT
+        if sidx.contains(key):
+            return True
+        # another engine on the store (or the fleet agent) may have it (in LMDB, not in
+        # this table): one index read, only while others are attached; it joins the table
+        slots, _ = sidx.lookup_pin([key])
+        if not slots:
+            return False
+        sidx.unpin(slots)
+        return True
+
+    def serve_external_requests(self, parent) -> None:
+        """Once per step (vLLM's manager, at the step's end): the keys this step's
+        lookups registered go to the fleet agent."""
+        if self.pool is not None and not self.closed:
+            self.pool.flush()
 
     def touch(self, keys, req_context: ReqContext):
         if keys and not self.closed:
@@ -280,6 +316,13 @@ class KVStoreTier(SecondaryTierManager):
             TierMetrics.STORE_DROPPED_CHUNKS: OffloadingCounterMetadata(
                 documentation="Chunks a store job could not store (no slot free of pins, "
                               "or a write error)."),
+            TierMetrics.POOL_LOOKUPS: OffloadingCounterMetadata(
+                documentation="Requests whose local misses the tier asked of the fleet's "
+                              "KV pool (remote)."),
+            TierMetrics.POOL_FILLED_CHUNKS: OffloadingCounterMetadata(
+                documentation="Chunks the KV pool filled into the tier's local store."),
+            TierMetrics.POOL_TIMEOUTS: OffloadingCounterMetadata(
+                documentation="Pool lookups not answered within remote.fetch_timeout_s."),
         }
 
     def get_stats(self) -> OffloadingConnectorStats | None:
@@ -291,7 +334,8 @@ class KVStoreTier(SecondaryTierManager):
                         (TierMetrics.READ_BYTES, c.read), (TierMetrics.WRITTEN_BYTES, c.written),
                         (TierMetrics.VERIFY_FAILURES, c.verify),
                         (TierMetrics.EVICTED_CHUNKS, c.evicted),
-                        (TierMetrics.STORE_DROPPED_CHUNKS, c.dropped)):
+                        (TierMetrics.STORE_DROPPED_CHUNKS, c.dropped),
+                        *self._pool_counts()):
             if n:
                 stats.increase_counter(name, n)
         gauges = (self.capacity_bytes, self.used_bytes())
@@ -300,6 +344,13 @@ class KVStoreTier(SecondaryTierManager):
             stats.set_gauge(TierMetrics.CAPACITY_BYTES, gauges[0])
             stats.set_gauge(TierMetrics.USED_BYTES, gauges[1])
         return None if stats.is_empty() else stats
+
+    def _pool_counts(self) -> list:
+        if self.pool is None:
+            return []
+        asked, filled, timeouts = self.pool.take_counts()
+        return [(TierMetrics.POOL_LOOKUPS, asked), (TierMetrics.POOL_FILLED_CHUNKS, filled),
+                (TierMetrics.POOL_TIMEOUTS, timeouts)]
 
     def used_bytes(self) -> int:
         """Bytes of slots holding committed chunks, as of the index thread's last
@@ -337,6 +388,8 @@ class KVStoreTier(SecondaryTierManager):
 
     def _close_store(self) -> None:
         index_stopped = True
+        if self.remote is not None:
+            self.remote.close()
         try:
             if self._sidx is not None:
                 index_stopped = self._sidx.close() is not False

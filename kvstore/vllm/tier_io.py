@@ -152,6 +152,9 @@ class TierIO:
         self._batches = 0                   # sync thread only: commits in flight
         self._sync_q: queue.SimpleQueue = queue.SimpleQueue()   # WrittenBatch, or None: stop
         self._warned: set[str] = set()
+        # Called on the sync thread with the keys of every store batch committed (the
+        # tier's remote level publishes them to the KV pool); None without one.
+        self.on_committed: Callable[[list[bytes]], None] | None = None
         cpus, nice = cfg.thread_cpus, cfg.io_thread_nice
         self.threads = [
             make_thread(self._load_loop, "kvstore-tier-load", cpus, nice=nice),
@@ -586,6 +589,9 @@ class TierIO:
                     self.events.append(OffloadingEvent(
                         keys=[k for k, _, _ in ev.items], medium=self.medium, removed=False,
                         locality=self.locality))
+                if self.on_committed is not None and ev.error is None:
+                    self.on_committed([k for i, k in enumerate(batch.keys)
+                                       if i not in batch.failed])
             finally:
                 self._complete(batch, ev.error)
         elif isinstance(ev, (Evicted, Dropped)):
