@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from contextlib import contextmanager
 
 from kvstore._keytable import keys_with_packed, make_keys, pin_counts_add, pin_counts_remove
-from kvstore.errors import KVStoreError, StoreFull
-from kvstore.lookup.events import Counted, Dropped, Evicted
+from kvstore.errors import StoreFull
+from kvstore.lookup import devices
+from kvstore.lookup.events import Counted, Dropped, Evicted, Outbox
+from kvstore.lookup.lookups import count_new_lmdb, lookup_hashes_lmdb, plan_new_lmdb, present_lmdb
 from kvstore.lookup.table import ServingIndex, packed_hit, packed_plan, split_failed
+from kvstore.lookup.writes import IndexWrites, read_gauges
 from kvstore.store.disk import DiskStore
+
+
+def _never(key) -> bool:
+    """No drop is ever pending here: drops are applied at once."""
+    return False
 
 
 class SyncServingIndex(ServingIndex):
@@ -27,6 +34,10 @@ class SyncServingIndex(ServingIndex):
 
     # Stores are planned by key: `take` reserves their slots by key on the caller's thread.
     packed_stores = False
+    ready = True            # lookups read LMDB: nothing to build
+    announcing = False
+    build_s = 0.0
+    reclaimed = cross_hits = 0
 
     class _NoTable:
         """Lookups read LMDB: commits have no table to update."""
@@ -42,34 +53,33 @@ class SyncServingIndex(ServingIndex):
         # arguments, which the scheduler passes; no pool, no thread, no announcements here)
         self.store = store
         self.lease = None
-        self.reclaimed = self.cross_hits = 0
-        self._hits = self._misses = 0       # `count_hits` counts at once: none held back
         self.index = store.writable_index()
         self.capacity = self.index.capacity_slots
         self.ndev = store.geometry.num_devices
         self.fences = self.index.set_devices(self.ndev)
         self.readmitted = []
         if probe_devices is not None and self.ndev > 1:
-            self._probe_devices(probe_devices == "direct")
+            self.readmitted = devices.probe_devices(store, self.index, self.fences, self.ndev,
+                                                    probe_devices == "direct")
         self.pool_target = 0
-        self._lock = threading.Lock()
-        self._pool_lock = threading.Lock()
-        self._pool_slots, self._pool_gens = [], []
-        self._announce = None
-        self._table = self._NoTable()
+        self._outbox = Outbox()
+        self._post = self._outbox.post
+        # commits applied here, an abort LMDB refuses given up (no later round)
+        self._writes = IndexWrites(self.index, self._NoTable(), threading.Lock(), self._outbox)
         self._pins: dict[int, int] = {}
-        self._ready = True
-        self._events = deque()
-        self._posted = threading.Event()
-        self._queued = self._applied = 0
-        self._closed = False
-        self.build_s = 0.0
+        self._queued = 0
 
     def wait_ready(self, timeout=None) -> bool:
         return True
 
+    def poll(self):
+        return self._outbox.take()
+
     def wait_events(self, timeout: float) -> None:
         pass
+
+    def pending_commits(self) -> int:
+        return self._queued - self._writes.applied
 
     def announced(self) -> None:
         pass
@@ -97,20 +107,25 @@ class SyncServingIndex(ServingIndex):
         return self.index.lookup(key) is not None
 
     def lookup_hashes(self, hashes, start, stop, group=0, packed=False):
-        return packed_hit(self._lookup_hashes_lmdb(hashes, start, stop, group), packed)
+        return packed_hit(lookup_hashes_lmdb(self.lookup_pin, hashes, start, stop, group), packed)
 
     def present(self, hashes, start, stop, group=0):
-        return self._present_lmdb(hashes, start, stop, group)
+        return present_lmdb(self.index, _never, hashes, start, stop, group)
 
     def plan_new(self, hashes, start, stop, block_ids, skip, limit, group=0, packed=False):
-        keys, bids, idx = self._plan_new_lmdb(hashes, start, stop, block_ids, skip, limit, group)
+        keys, bids, idx = plan_new_lmdb(self.index, _never, hashes, start, stop, block_ids, skip,
+                                        limit, group)
         return packed_plan(hashes, keys, bids, idx, packed)
 
     def count_dropped(self, hashes, start, stop, skip, group=0):
-        self._post(Counted(count=self._count_new_lmdb(hashes, start, stop, skip, group)))
+        self._post(Counted(count=count_new_lmdb(self.index, _never, hashes, start, stop, skip,
+                                                group)))
 
     def available(self):
         return 1 << 30      # no pool: take reserves in LMDB (and evicts) on this thread
+
+    def pooled(self):
+        return []
 
     def take(self, keys, packed=None):
         try:
@@ -124,19 +139,14 @@ class SyncServingIndex(ServingIndex):
 
     def commit(self, good, bad=(), tag=None):
         self._queued += 1
-        self._commit(list(good), list(bad), tag)
+        self._writes.commit(list(good), list(bad), tag)
 
     def commit_blocks(self, keys, slots, gens, failed=(), tag=None, packed=None, keys_back=True,
                       release=None):
         keys = keys_with_packed(keys, packed)
         self._queued += 1
-        self._commit(*split_failed(keys, slots, gens, failed), tag, keys, keys_back, release)
-
-    def _retry_abort(self, items):
-        try:
-            self.index.abort(items)
-        except KVStoreError:
-            pass
+        self._writes.commit(*split_failed(keys, slots, gens, failed), tag, keys, keys_back,
+                            release)
 
     def abort(self, items):
         if items:
@@ -174,7 +184,7 @@ class SyncServingIndex(ServingIndex):
         return True
 
     def gauges(self):
-        return self._read_gauges()
+        return read_gauges(self.index)
 
     def flush(self, timeout=60.0):
         pass

@@ -1,8 +1,11 @@
 """Outcomes of `ServingIndex`'s index thread, for the step thread (`ServingIndex.poll`):
 one frozen dataclass per kind, each with the fields it carries. `kind` names the event
-(logs, diagnostics); consumers dispatch on the class."""
+(logs, diagnostics); consumers dispatch on the class. `Outbox` holds the ones posted and
+not polled yet."""
 from __future__ import annotations
 
+import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -66,3 +69,34 @@ class Failed:
 
 
 IndexEvent = Committed | Evicted | Dropped | Counted | AnnounceBatch | Failed
+
+
+class Outbox:
+    """The index thread's events the step thread has not polled yet, in the order they
+    were posted, and the wake-up of a step thread that waits for one (`wait`)."""
+
+    __slots__ = ("events", "posted")
+
+    def __init__(self):
+        self.events: deque[IndexEvent] = deque()
+        self.posted = threading.Event()
+
+    def post(self, ev: IndexEvent) -> None:
+        self.events.append(ev)
+        self.posted.set()
+
+    def fail(self, what: str, exc: Exception) -> None:
+        self.post(Failed(what=what, error=exc))
+
+    def take(self) -> list[IndexEvent]:
+        """Every event posted so far, oldest first."""
+        out = []
+        ev = self.events
+        while ev:
+            out.append(ev.popleft())
+        return out
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until an event is posted, `timeout` at most (`ServingIndex.wait_events`)."""
+        if self.posted.wait(timeout):
+            self.posted.clear()

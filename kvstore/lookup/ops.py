@@ -2,9 +2,12 @@
 kind (slots, not frozen: built on vLLM's step thread, a frozen one costs about 4 us, this
 about 0.8), one object per call (never one per block: blocks travel as the lists
 and arrays a field holds). The index thread dispatches on the class (`match`); `what`
-names the operation in the "error" event (`events.Failed`) when applying it fails."""
+names the operation in the "error" event (`events.Failed`) when applying it fails.
+`OpQueue` is the queue itself, with the step thread's side of it: the calls that queue
+one operation each, and the hit/miss counts held back until the next one."""
 from __future__ import annotations
 
+import queue
 import threading
 from dataclasses import dataclass
 from typing import ClassVar
@@ -121,3 +124,73 @@ IndexOp = (CommitOp | CommitBlocksOp | AbortOp | TouchOp | TouchBlocksOp | DropO
 REFILL = RefillOp()
 DROP_ALL = DropAllOp()
 STOP = StopOp()
+
+
+class OpQueue:
+    """The index thread's operations, queued by the step thread (one object per call,
+    never waited for) and taken by the index thread (`ops`). `queued` counts the commits
+    queued; `hits`/`misses` the lookup counts not sent yet (`count_hits`)."""
+
+    def __init__(self):
+        self.ops: queue.SimpleQueue[IndexOp] = queue.SimpleQueue()
+        self.queued = 0             # commits queued (the step thread reads it)
+        self.hits = self.misses = 0     # counted by the step thread, not sent yet
+
+    def put(self, op: IndexOp) -> None:
+        self.ops.put(op)
+
+    def commit(self, good, bad=(), tag=None) -> None:
+        """`ServingIndex.commit`."""
+        self.queued += 1
+        self.ops.put(CommitOp(list(good), list(bad), tag))
+
+    def commit_blocks(self, keys: list, slots: list, gens: list, failed=(), tag=None,
+                      packed: tuple | None = None, keys_back: bool = True,
+                      release: KeySet | None = None) -> None:
+        """`ServingIndex.commit_blocks`."""
+        self.queued += 1
+        self.ops.put(CommitBlocksOp(keys, slots, gens, failed, tag, packed, keys_back, release))
+
+    def abort(self, items) -> None:
+        if items:
+            self.ops.put(AbortOp(list(items)))
+
+    def requeue_abort(self, items: list) -> None:
+        """An abort LMDB refused (unwritable): tried again next round."""
+        self.ops.put(AbortOp(items))
+
+    def touch(self, keys) -> None:
+        if keys:
+            self.ops.put(TouchOp(list(keys)))
+
+    def touch_blocks(self, runs: list[tuple[list, list]]) -> None:
+        if runs:
+            self.ops.put(TouchBlocksOp(runs))
+
+    def count_dropped(self, hashes: list, start: int, stop: int, skip, group: int = 0) -> None:
+        """`ServingIndex.count_dropped`."""
+        self.ops.put(CountNewOp(hashes, start, stop, skip, group))
+
+    def count_hits(self, hits: int, misses: int) -> None:
+        """`ServingIndex.count_hits`: summed here, sent with the next operation."""
+        self.hits += hits
+        self.misses += misses
+
+    def send_counts(self) -> None:
+        if self.hits or self.misses:
+            self.ops.put(CountHitsOp(self.hits, self.misses))
+            self.hits = self.misses = 0
+
+    def refill(self) -> None:
+        """The pool was taken from, or is dry: the counts go, and the index thread refills."""
+        if self.hits or self.misses:
+            self.ops.put(CountHitsOp(self.hits, self.misses))
+            self.hits = self.misses = 0
+        self.ops.put(REFILL)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every operation queued so far is applied; False on timeout."""
+        done = threading.Event()
+        self.send_counts()
+        self.ops.put(MarkOp(done))
+        return done.wait(timeout)

@@ -15,6 +15,7 @@ from kvstore.store.disk import DiskStore, SlotRef
 from kvstore.format.layout import Layout
 from kvstore.lookup.events import Committed, Counted, Evicted, Failed
 from kvstore.bench.sync_index import SyncServingIndex
+from kvstore.lookup.lookups import TableLookups
 from kvstore.lookup.table import ServingIndex
 
 BB = 4096
@@ -248,7 +249,7 @@ def test_plans_over_vllm_block_lists_give_block_ids_on_every_path(tmp_path, path
     try:
         if path != "sync":
             assert ix.wait_ready(10)
-            ix._ready = path == "table"         # "lmdb": the walk before the table is ready
+            ix._lookups.ready = path == "table"     # "lmdb": the walk before the table is ready
         hashes = [b"p%031d" % i for i in range(6)]
         blocks = [KVCacheBlock(block_id=100 + i) for i in range(6)]
         keys, bids, idx = ix.plan_new(hashes, 1, 5, blocks, set(), 10)
@@ -257,7 +258,7 @@ def test_plans_over_vllm_block_lists_give_block_ids_on_every_path(tmp_path, path
         assert ix.plan_new(hashes, 0, 6, list(range(6)), set(), 2)[1] == [0, 1]   # ints too
     finally:
         if path != "sync":
-            ix._ready = True
+            ix._lookups.ready = True
         ix.close()
         st.close()
 
@@ -411,12 +412,12 @@ def test_a_dry_pools_drops_are_counted_off_the_step_thread(tmp_path, path):
     try:
         if path != "sync":
             assert ix.wait_ready(10)
-            orig = ix._count_dropped
+            orig = ix._lookups.count_new
 
             def counting(*a):
                 threads.append(threading.get_ident())
                 return orig(*a)
-            ix._count_dropped = counting
+            ix._lookups.count_new = counting
         hashes = [b"d%031d" % i for i in range(300)]
         stored = [block_key(hashes[i], 3) for i in (0, 5, 140, 299)]
         store_keys(ix, stored) if path != "sync" else ix.commit(list(zip(stored, *ix.take(stored))))
@@ -425,7 +426,7 @@ def test_a_dry_pools_drops_are_counted_off_the_step_thread(tmp_path, path):
         for i in (6, 7, 200):
             storing.add(block_key(hashes[i], 3))
         if path == "lmdb":
-            ix._ready = False               # the table could not be built: LMDB lookups
+            ix._lookups.ready = False       # the table could not be built: LMDB lookups
         ix.count_dropped(hashes, 2, 300, storing, 3)      # 298 blocks: 3 slices of 128
         ix.count_dropped(hashes, 0, 10, storing, 4)       # another group: all new
         bad = hashes[:3] + [None]                   # fails at block 3
@@ -443,7 +444,8 @@ def test_a_dry_pools_drops_are_counted_off_the_step_thread(tmp_path, path):
         if path != "sync":
             assert [e.what for e in evs if isinstance(e, Failed)] == ["count_new"]
     finally:
-        ix._ready = True
+        if path != "sync":
+            ix._lookups.ready = True
         ix.close()
         st.close()
 
@@ -542,8 +544,9 @@ def test_keyset_is_a_set_of_keys_and_plan_new_probes_it_in_c():
 
 
 def test_a_malformed_record_of_another_engine_unpins_only_what_the_walk_pinned():
-    """`_peer_prefix` on a record whose slot is beyond the table (a malformed or foreign
-    LMDB row): a miss, and the pins other requests hold stay (pin() undid its own)."""
+    """`TableLookups.peer_prefix` on a record whose slot is beyond the table (a malformed
+    or foreign LMDB row): a miss, and the pins other requests hold stay (pin() undid its
+    own)."""
     import types
 
     t = KeyTable(64)
@@ -557,8 +560,8 @@ def test_a_malformed_record_of_another_engine_unpins_only_what_the_walk_pinned()
             if len(part) == 1:
                 return [rec(b"z" * 36, 5)]
             return [rec(b"a" * 36, 3), rec(b"b" * 36, 1000)][:len(part)]
-    ix = types.SimpleNamespace(_table=t, index=Lmdb(), cross_hits=0)
-    out = ServingIndex._peer_prefix(ix, lambda a, b: [b"k%d" % i for i in range(a, b)], 10)
+    lk = types.SimpleNamespace(table=t, index=Lmdb(), cross_hits=0, undropped=lambda e: e)
+    out = TableLookups.peer_prefix(lk, lambda a, b: [b"k%d" % i for i in range(a, b)], 10)
     assert out == ([], [], [])
     assert t.pin_count(3) == 1 and t.pin_count(5) == 0 and t.pinned_slots == 1
 

@@ -185,7 +185,7 @@ ix.close(); st.close()
 
 def test_an_eviction_claim_sees_an_engine_that_attached_since_its_peers_were_mapped(tmp_path, procs):
     """The serving index maps the other engines' pin arrays between rounds of its index
-    thread (`_follow_peers`); an engine that attached and pinned a slot before the next
+    thread (`PeerFollower.follow`); an engine that attached and pinned a slot before the next
     round was invisible to the eviction claim, which took the pinned slot. The claim now
     lists the engines again when one came or went (and a table whose list is stale takes
     nothing), without refusing what it may take: a refill right after an attach is not

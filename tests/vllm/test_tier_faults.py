@@ -342,12 +342,12 @@ def test_shutdown_with_a_busy_index_thread_keeps_the_store_open(tmp_path, monkey
     e.store(keys)
     sidx = tier._sidx
     gate = threading.Event()
-    real_drop = sidx._drop
+    real_drop = sidx._writes.drop
 
     def stuck_drop(ks):
         gate.wait(60)
         real_drop(ks)
-    sidx._drop = stuck_drop
+    sidx._writes.drop = stuck_drop
     try:
         sidx.drop([keys[0]])                # the index thread is busy applying it
         t0 = time.monotonic()
@@ -395,12 +395,12 @@ def test_a_dropped_key_is_not_readmitted_from_lmdb_before_the_drop_is_applied(
     child.start()
     sidx = e.tier._sidx
     applying = threading.Event()
-    real_drop = sidx._drop
+    real_drop = sidx._writes.drop
 
     def slow_drop(ks):        # the index thread applies the drop only when let go
         applying.wait(60)
         real_drop(ks)
-    sidx._drop = slow_drop
+    sidx._writes.drop = slow_drop
     try:
         assert out.get(timeout=120) == "ready"
         assert sidx._shared_now()
