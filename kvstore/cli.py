@@ -90,6 +90,45 @@ def bench():
     """Benchmarks that print a table (and --json)."""
 
 
+@bench.command("fleet")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="Scratch directory for the stores (default: a temporary directory).")
+@click.option("--blocks", default=512, show_default=True, type=click.IntRange(1),
+              help="Blocks moved each way per round.")
+@click.option("--block-size", default="2M", show_default=True, help="Bytes per block (one rank).")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, 20))
+@click.option("--index-entries", default=100_000, show_default=True, type=click.IntRange(0),
+              help="Entries prefilled in the step section's store.")
+@click.option("--requests", default=64, show_default=True, type=click.IntRange(1),
+              help="Prompts of the step section.")
+@click.option("--ttft", "with_ttft", is_flag=True,
+              help="Also time to first token with real `vllm serve` engines (recompute, pool "
+                   "hit, local hit): three server starts.")
+@click.option("--model", default="demo", show_default=True, help="Model of the --ttft section.")
+@click.option("--length", default=2000, show_default=True, type=click.IntRange(64),
+              help="Document tokens of the --ttft section.")
+@click.option("--samples", default=3, show_default=True, type=click.IntRange(1, 100))
+@click.option("--python", default=None, help="The engine's Python (default: .venv-engine).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG of the results.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of the table.")
+def bench_fleet(directory, blocks, block_size, rounds, index_entries, requests, with_ttft, model,
+                length, samples, python, plot_path, as_json):
+    """The fleet's KV pool (Mooncake Store) through kvstore vs Mooncake's own transfers, the
+    scheduler thread's time with the pool on, and (--ttft) B's TTFT for A's documents."""
+    from kvstore.bench import fleet_bench
+    try:
+        out = fleet_bench.run(blocks, block_size, rounds, index_entries, requests, with_ttft,
+                              model, length, samples, python, directory,
+                              say=(lambda m: click.echo(m, err=True)) if as_json else click.echo)
+    except (KVStoreError, OSError) as exc:
+        _fail(exc)
+    if plot_path:
+        fleet_bench.plot(out, plot_path)
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+
+
 @bench.command("io")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="Directory on the device to measure, or several comma-separated (A,B,C: "

@@ -190,7 +190,7 @@ def make_model():
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
+def fleet_pool(tmp_path_factory):
     """A real Mooncake Store pool on loopback (`kvstore.tools.fleet`: its master and one
     standalone pool client) for a module's tests, which use keys of their own stores."""
     from kvstore.tools import fleet
@@ -200,7 +200,7 @@ def pool(tmp_path_factory):
 
 
 @pytest.fixture
-def own_pool(tmp_path):
+def own_fleet_pool(tmp_path):
     """A pool of the test's own, for tests that kill a part of it."""
     from kvstore.tools import fleet
     fl = fleet.up(str(tmp_path / "fleet"), pool_size="64M")

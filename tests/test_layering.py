@@ -54,6 +54,7 @@ FOREIGN_PRIVATE = {
     ("kvstore/bench/tier_bench.py", "_num_chunks"): "vLLM's CPU primary tier: its chunk count",
     ("kvstore/vllm/keys.py", "_NON_CRYPTO_HASH_FUNCTIONS"): "vLLM's hash functions by name",
     ("kvstore/vllm/plugin.py", "_registry"): "vLLM's connector factory: registered once",
+    ("kvstore/remote/agent.py", "_exit"): "os._exit: the fleet agent skips Mooncake's teardown",
     ("kvstore/vllm/connector.py", "_is_amx_tile_supported"): "torch's AMX probe",
     ("kvstore/vllm/connector.py", "_C"): "torch's AMX permission request",
     ("kvstore/vllm/connector.py", "_cpu"): "torch's AMX permission request",

@@ -72,9 +72,15 @@ def _prefill(store: str, entries: int, seed: int = 7) -> dict:
     from kvstore.store.disk import rank_dir, slot_file_path
     from kvstore.index.core import Index
     from kvstore.index.maint import bulk_load
-    from kvstore.format.layout import StoreGeometry, read_fingerprint, write_fingerprint
+    from kvstore.format.layout import (
+        StoreGeometry, read_fingerprint, stored_identity, write_fingerprint,
+    )
 
-    layout, _, _ = read_fingerprint(store)
+    # the engine's model identity is kept: without it the engine would re-initialise the
+    # store at its next start (a store of another model) and the phases would run on an
+    # empty index
+    layout, _, doc = read_fingerprint(store)
+    identity = stored_identity(doc)
     capacity = entries * layout.slot_size * layout.tp_size
     geo = StoreGeometry.for_capacity(capacity, layout)
     shutil.rmtree(store)
@@ -95,7 +101,7 @@ def _prefill(store: str, entries: int, seed: int = 7) -> dict:
     bulk_load(ix, ((buf[i * 36:(i + 1) * 36], i, i + 1) for i in range(n)),
               keys_sorted=True, batch=500_000)
     ix.close()
-    write_fingerprint(store, layout, geo, capacity)
+    write_fingerprint(store, layout, geo, capacity, identity=identity)
     return {"prefill_s": round(time.perf_counter() - t0, 1), "capacity_slots": n}
 
 
@@ -326,7 +332,7 @@ def _phases(common: dict, prompts: list, index_thread: bool, load_prompts: list 
 
 
 def _run_phases(common: dict, prompts: list, load_prompts: list | None, barrier,
-                forward_s: float) -> dict:
+                forward_s: float, load_common: dict | None = None) -> dict:
     import gc
 
     from kvstore.drivers.simulator import EngineHarness
@@ -339,6 +345,8 @@ def _run_phases(common: dict, prompts: list, load_prompts: list | None, barrier,
         out["table_build_s"] = round(ix.build_s, 2)
         out["engine_open_s"] = round(open_s, 2)
         _freeze_heap()
+        # the entries the phase starts with (the prefill's, unless the store was reset)
+        used_at_start = int(ix.gauges()["used_slots"])
         before = dict(h.stats)
         sched = h.scheduler_connector.scheduler
         stored0 = sched.stored_blocks_total
@@ -351,6 +359,7 @@ def _run_phases(common: dict, prompts: list, load_prompts: list | None, barrier,
         phase_s = time.perf_counter() - t0
         res = timer.result()
         res["stored_blocks"] = sched.stored_blocks_total - stored0
+        res["entries_at_start"] = used_at_start
         # The harness has no model forward (`forward_s` of sleep stands in for it): the
         # index thread's commit and eviction rate, not the step thread, bounds what gets
         # stored; blocks the slot pool could not cover were dropped (never waited for).
@@ -363,7 +372,8 @@ def _run_phases(common: dict, prompts: list, load_prompts: list | None, barrier,
     gc.unfreeze()
     if barrier is not None:
         barrier.wait(600)
-    with EngineHarness(**common) as h:      # restart: GPU cache empty, the store kept
+    # restart: GPU cache empty, the store kept (or, `load_common`, another engine's store)
+    with EngineHarness(**(load_common or common)) as h:
         ix = h.scheduler_connector.scheduler.index
         ix.wait_ready()
         _freeze_heap()
@@ -386,6 +396,7 @@ def _run_phases(common: dict, prompts: list, load_prompts: list | None, barrier,
             // h.scheduler_connector.layout.block_bytes
         res["disk_hit_tokens"] = h.stats["external_hit_tokens"] - before["external_hit_tokens"]
         res["cross_engine_blocks"] = ix.cross_hits
+        res["pool_filled_blocks"] = sum(s.get("pool_filled_blocks", 0) for s in h.kv_connector_stats)
         out["load"] = res
     gc.unfreeze()
     return out
@@ -435,7 +446,10 @@ def _several(common: dict, sets: list[list], n: int, forward_s: float) -> list[d
 def run(index_entries: int = 1_000_000, requests: int = 256, prompt_tokens: int = 8192,
         baseline: bool = True, workdir: str | None = None, engines: int = 1,
         thread_cpus: str | None = None, io_thread_nice: int | None = None,
-        forward_ms: float = 10.0) -> dict:
+        forward_ms: float = 10.0, remote: dict | None = None) -> dict:
+    """The phases (module docstring). With `remote` (a store's "remote" settings), the
+    store has the fleet's pool behind it: the store phase publishes to it, and the load
+    phase runs on a second, empty store, whose every block comes from the pool."""
     from kvstore.drivers.simulator import EngineHarness
     tmp = tempfile.TemporaryDirectory(prefix="kvstore-bench-conn-", dir=workdir)
     d = tmp.name
@@ -448,6 +462,11 @@ def run(index_entries: int = 1_000_000, requests: int = 256, prompt_tokens: int 
         cfg["kv_connector_extra_config"]["thread_cpus"] = thread_cpus
     if io_thread_nice is not None:
         cfg["kv_connector_extra_config"]["io_thread_nice"] = io_thread_nice
+    load_cfg = None
+    if remote is not None:
+        cfg["kv_connector_extra_config"]["remote"] = remote
+        load_cfg = {**cfg, "kv_connector_extra_config": {
+            **cfg["kv_connector_extra_config"], "path": os.path.join(d, "store-b")}}
     per_step = 8192
     ntok = prompt_tokens + BLOCK_SIZE // 2
     rng = random.Random(3)
@@ -474,6 +493,9 @@ def run(index_entries: int = 1_000_000, requests: int = 256, prompt_tokens: int 
             per = _several(common, sets, engines, forward_s)
             out["engines"] = per
             res = per[0]
+        elif load_cfg is not None:
+            res = _run_phases(common, prompts, None, None, forward_s,
+                              load_common={**common, "kv_transfer_config": load_cfg})
         else:
             res = _phases(common, prompts, index_thread=True, forward_s=forward_s)
         out["phases"] = {"store": res["store"], "load": res["load"]}

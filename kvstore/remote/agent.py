@@ -55,6 +55,11 @@ class AgentStats:
     publish_dropped: int = 0        # blocks the bounded publish queue had no room for
     pool_errors: int = 0
     pool_down: bool = False
+    # where the agent's time went (seconds): the pool's calls, the local store's reads
+    # (publishes) and writes (fills), and kvstore's own work on records (encode, verify)
+    pool_s: float = 0.0
+    local_s: float = 0.0
+    records_s: float = 0.0
 
 
 class FleetAgent:
@@ -113,8 +118,10 @@ class FleetAgent:
     def _fetch_part(self, part: list[bytes]) -> int:
         st, tp, buf = self.stats, self.tp, self.pool.buffer
         names = self._names(part)
+        t0 = time.perf_counter()
         have = self.pool.exists(names)
         if have is None:
+            st.pool_s += time.perf_counter() - t0
             return 0
         n = 0
         while n < len(part) and all(have[n * tp:(n + 1) * tp]):
@@ -125,6 +132,8 @@ class FleetAgent:
         size = HEADER_SIZE + self.payload
         read = self.pool.get_into(names, [self._off(j) for j in range(len(names))],
                                   [size] * len(names))
+        t1 = time.perf_counter()
+        st.pool_s += t1 - t0
         if read is None:
             return 0
         good = 0
@@ -146,6 +155,8 @@ class FleetAgent:
                             names[j], why)
             break
         st.pool_hit_blocks += good
+        t2 = time.perf_counter()
+        st.records_s += t2 - t1
         if not good:
             return 0
 
@@ -157,6 +168,8 @@ class FleetAgent:
         except KVStoreError as exc:     # the local store is full of pinned blocks, or failing
             log.warning("kvstore: writing pool blocks into the local store failed: %s", exc)
             return 0
+        finally:
+            st.local_s += time.perf_counter() - t2
         st.filled_blocks += len(stored)
         st.fill_bytes += len(stored) * tp * self.payload
         # blocks another writer stored meanwhile count as local too
@@ -174,7 +187,10 @@ class FleetAgent:
 
     def _publish_part(self, part: list[bytes]) -> int:
         st, tp, buf = self.stats, self.tp, self.pool.buffer
+        t0 = time.perf_counter()
         have = self.pool.exists(self._names(part))
+        t1 = time.perf_counter()
+        st.pool_s += t1 - t0
         if have is None:
             return 0
         part = [k for i, k in enumerate(part) if not all(have[i * tp:(i + 1) * tp])]
@@ -185,6 +201,8 @@ class FleetAgent:
             data.update(got)
             rest = rest[len(got) + 1:]
         keys = [k for k in part if k in data]
+        t2 = time.perf_counter()
+        st.local_s += t2 - t1
         if not keys:
             return 0
         size = HEADER_SIZE + self.payload
@@ -193,8 +211,11 @@ class FleetAgent:
                 o = self._off(i * tp + r)
                 encode_into(buf[o:o + size], self.digest, k, r, data[k][r])
         names = self._names(keys)
+        t3 = time.perf_counter()
+        st.records_s += t3 - t2
         codes = self.pool.put_from(names, [self._off(j) for j in range(len(names))],
                                    [size] * len(names))
+        st.pool_s += time.perf_counter() - t3
         if codes is None:
             return 0
         ok = sum(1 for i in range(len(keys)) if all(c == 0 for c in codes[i * tp:(i + 1) * tp]))
@@ -257,16 +278,28 @@ class _Inbox:
                 return
 
     def next(self):
+        """The next message: "stats" first, then fetches, then publishes; "stop" once
+        nothing else is queued (the engine's end closed: the publishes it left are
+        finished first, within `DRAIN_S`)."""
         with self.cv:
             while not (self.fetches or self.other or self.publishes):
                 self.cv.wait()
-            if self.other:
+            if self.other and (self.other[0][0] != "stop" or not self.publishes
+                               or time.monotonic() > self._drain_until()):
                 return self.other.popleft()
             if self.fetches:
                 return self.fetches.popleft()
             keys = self.publishes.popleft()
             self.queued_blocks -= len(keys)
             return ("publish", keys)
+
+    DRAIN_S = 5.0
+    _stop_at = None
+
+    def _drain_until(self) -> float:
+        if self._stop_at is None:
+            self._stop_at = time.monotonic() + self.DRAIN_S
+        return self._stop_at
 
 
 def _die_with_parent() -> None:

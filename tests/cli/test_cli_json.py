@@ -36,6 +36,8 @@ ARGS = {
     ("bench", "soak"): ["--requests", "40", "--interval", "20"],
     ("bench", "peers"): ["--size", "16M", "--block-sizes", "128K", "--rounds", "1", "--samples",
                          "2", "--prefix-blocks", "16"],
+    ("bench", "fleet"): ["--blocks", "16", "--block-size", "128K", "--rounds", "1",
+                         "--index-entries", "1000", "--requests", "2"],
     ("bench", "tier"): ["--size", "16M", "--primary", "8M", "--chunk-tokens", "16",
                         "--job-tokens", "32"],
     ("info",): ["{src}"],
@@ -53,7 +55,7 @@ MAY_FAIL = {("bench", "soak")}
 # The commands that start real servers (marker e2e), and those that run for half a minute
 # or more here (marker slow).
 SERVES = {("demo",), ("bench", "ttft"), ("bench", "serve")}
-SLOW = {("bench", "soak"), ("bench", "connector"), ("bench", "peers")}
+SLOW = {("bench", "soak"), ("bench", "connector"), ("bench", "peers"), ("bench", "fleet")}
 
 
 def _json_commands(group: click.Group, prefix=()):
@@ -116,10 +118,19 @@ def test_json_output_parses_as_one_object(path, stores, tmp_path, request):
         # each busy step is followed by the forward's stand-in (10 ms by default): the
         # store phase lasts at least that long
         st = doc["phases"]["store"]
+        # the prefilled index is what the phases run on (the engine keeps the store)
+        assert st["entries_at_start"] >= doc["index_entries"], st["entries_at_start"]
         assert doc["forward_ms"] == 10.0 and st["phase_s"] >= st["steps"] * 0.010, st
         # the load phase's length too (a crawling load phase showed only as a timeout)
         ld = doc["phases"]["load"]
         assert ld["phase_s"] > 0 and ld["steps_per_s"] > 0, ld
+    if path == ("bench", "fleet"):
+        t = doc["transfer"]
+        assert t["best"]["publish_gbps"] > 0 and t["best"]["fill_gbps"] > 0, t
+        assert t["mooncake"]["put_gbps"] > 0 and t["mooncake"]["get_gbps"] > 0, t
+        # the load phase with the pool ran on an empty store: the pool filled it
+        assert doc["step"]["with_pool"]["load"]["pool_filled_blocks"] > 0, doc["step"]
+        assert doc["step"]["without_pool"]["load"]["pool_filled_blocks"] == 0, doc["step"]
 
 
 def test_bench_index_refuses_sizes_its_commit_rounds_cannot_fill():

@@ -25,9 +25,9 @@ def _published(h, n: int, timeout: float = 60.0) -> dict:
     raise AssertionError(f"the agent published {remote.stats()} of {n} blocks")
 
 
-def test_engine_b_loads_what_engine_a_stored_through_the_pool(pool, tmp_path):
+def test_engine_b_loads_what_engine_a_stored_through_the_pool(fleet_pool, tmp_path):
     ps = prompts(7, 3, 8 * BS + 5)
-    extra = {"remote": pool.remote_config()}
+    extra = {"remote": fleet_pool.remote_config()}
     with kv_harness(tmp_path / "storeA", extra=extra) as a:
         a.run(ps)
         settle(a)
@@ -52,15 +52,15 @@ def test_engine_b_loads_what_engine_a_stored_through_the_pool(pool, tmp_path):
         settle(b)
 
 
-def test_pool_down_engine_serves_from_its_disk_and_computes_the_rest(own_pool, tmp_path):
+def test_pool_down_engine_serves_from_its_disk_and_computes_the_rest(own_fleet_pool, tmp_path):
     first = prompts(9, 1, 6 * BS + 3)
     other = prompts(10, 2, 6 * BS + 3)
-    extra = {"remote": {**own_pool.remote_config(), "fetch_timeout_s": 5.0}}
+    extra = {"remote": {**own_fleet_pool.remote_config(), "fetch_timeout_s": 5.0}}
     with kv_harness(tmp_path / "storeA", extra=extra) as a:
         a.run(first)
         settle(a)
-        os.kill(own_pool.master_pid, signal.SIGKILL)
-        os.kill(own_pool.client_pid, signal.SIGKILL)
+        os.kill(own_fleet_pool.master_pid, signal.SIGKILL)
+        os.kill(own_fleet_pool.client_pid, signal.SIGKILL)
         drop_gpu_cache(a)
         before = dict(a.stats)
         # a local hit, and misses the pool cannot answer: every request completes, the

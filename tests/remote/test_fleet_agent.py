@@ -41,11 +41,11 @@ def remote(fl, **kw):
     return RemoteConfig.parse({**fl.remote_config(), "buffer": "4M", **kw})
 
 
-def test_publish_on_one_store_fill_on_another_byte_identical(pool, tmp_path):
+def test_publish_on_one_store_fill_on_another_byte_identical(fleet_pool, tmp_path):
     ks = chain(12, b"a")
     with make_store(tmp_path / "A") as a:
         assert a.put(ks, lambda i, r: payload(i, r)) == ks
-    agent_a = FleetAgent(str(tmp_path / "A"), remote(pool))
+    agent_a = FleetAgent(str(tmp_path / "A"), remote(fleet_pool))
     try:
         assert agent_a.publish(ks) == 12
         assert agent_a.publish(ks) == 0         # the pool has them: nothing read or sent
@@ -53,7 +53,7 @@ def test_publish_on_one_store_fill_on_another_byte_identical(pool, tmp_path):
     finally:
         agent_a.close()
     make_store(tmp_path / "B").close()
-    agent_b = FleetAgent(str(tmp_path / "B"), remote(pool))
+    agent_b = FleetAgent(str(tmp_path / "B"), remote(fleet_pool))
     try:
         assert agent_b.fetch(ks + chain(3, b"z")) == 12    # the pool's part of the chain
         s = agent_b.stats
@@ -72,11 +72,11 @@ def test_publish_on_one_store_fill_on_another_byte_identical(pool, tmp_path):
 
 
 @pytest.mark.parametrize("other", ["layout", "weights"])
-def test_a_store_of_another_model_or_layout_never_sees_the_blocks(pool, tmp_path, other):
+def test_a_store_of_another_model_or_layout_never_sees_the_blocks(fleet_pool, tmp_path, other):
     ks = chain(4, b"f" + other[:1].encode())
     with make_store(tmp_path / "A") as a:
         a.put(ks, payload)
-    ag = FleetAgent(str(tmp_path / "A"), remote(pool))
+    ag = FleetAgent(str(tmp_path / "A"), remote(fleet_pool))
     try:
         assert ag.publish(ks) == 4
     finally:
@@ -84,7 +84,7 @@ def test_a_store_of_another_model_or_layout_never_sees_the_blocks(pool, tmp_path
     kw = ({"layout": dataclasses.replace(LAYOUT, num_layers=3)} if other == "layout"
           else {"identity": ModelIdentity(weights="sha256:" + "cd" * 32)})
     make_store(tmp_path / "C", **kw).close()
-    ag = FleetAgent(str(tmp_path / "C"), remote(pool))
+    ag = FleetAgent(str(tmp_path / "C"), remote(fleet_pool))
     try:
         assert ag.fetch(ks) == 0
         assert ag.stats.pool_hit_blocks == 0 and ag.stats.filled_blocks == 0
@@ -100,12 +100,12 @@ def _put_raw(ag, name, data):
 
 
 @pytest.mark.parametrize("damage", ["flipped_bit", "other_block", "other_fingerprint"])
-def test_a_bad_pool_record_is_never_written_and_leaves_the_pool(pool, tmp_path, damage):
+def test_a_bad_pool_record_is_never_written_and_leaves_the_pool(fleet_pool, tmp_path, damage):
     ks = chain(6, b"d" + damage[-3:].encode())
     with make_store(tmp_path / "A") as a:
         a.put(ks, payload)
     make_store(tmp_path / "B").close()
-    ag = FleetAgent(str(tmp_path / "A"), remote(pool))
+    ag = FleetAgent(str(tmp_path / "A"), remote(fleet_pool))
     try:
         assert ag.publish(ks) == 6
         victim = pool_key(ag.digest, ks[3], 1)
@@ -120,7 +120,7 @@ def test_a_bad_pool_record_is_never_written_and_leaves_the_pool(pool, tmp_path, 
         _put_raw(ag, victim, bytes(rec))
     finally:
         ag.close()
-    ag = FleetAgent(str(tmp_path / "B"), remote(pool))
+    ag = FleetAgent(str(tmp_path / "B"), remote(fleet_pool))
     try:
         assert ag.fetch(ks) == 3                # the chain stops before the bad block
         assert ag.stats.verify_failed == 1
@@ -131,14 +131,14 @@ def test_a_bad_pool_record_is_never_written_and_leaves_the_pool(pool, tmp_path, 
         assert list(b.get(ks)) == ks[:3]
 
 
-def test_pool_master_killed_fetches_answer_local_and_count_errors(own_pool, tmp_path):
+def test_pool_master_killed_fetches_answer_local_and_count_errors(own_fleet_pool, tmp_path):
     ks = chain(5, b"m")
     with make_store(tmp_path / "A") as a:
         a.put(ks[:2], payload)
-    ag = FleetAgent(str(tmp_path / "A"), remote(own_pool))
+    ag = FleetAgent(str(tmp_path / "A"), remote(own_fleet_pool))
     try:
         assert ag.pool.available()
-        os.kill(own_pool.master_pid, signal.SIGKILL)
+        os.kill(own_fleet_pool.master_pid, signal.SIGKILL)
         time.sleep(0.5)
         assert ag.fetch(ks) == 2                # what the local store has
         assert ag.stats.pool_errors >= 1 and ag.stats.pool_down

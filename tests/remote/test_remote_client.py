@@ -34,12 +34,12 @@ def _answer(c, token):
     return got[-1]
 
 
-def test_agent_process_fills_and_publishes_and_restarts_after_a_kill(pool, tmp_path):
+def test_agent_process_fills_and_publishes_and_restarts_after_a_kill(fleet_pool, tmp_path):
     ks = chain(6, b"p")
     with make_store(tmp_path / "A") as a:
         a.put(ks, payload)
     make_store(tmp_path / "B").close()
-    cfg = RemoteConfig.parse({**pool.remote_config(), "buffer": "4M"})
+    cfg = RemoteConfig.parse({**fleet_pool.remote_config(), "buffer": "4M"})
     ca = RemoteClient(str(tmp_path / "A"), cfg)
     cb = RemoteClient(str(tmp_path / "B"), cfg)
     try:
@@ -68,8 +68,8 @@ def test_agent_process_fills_and_publishes_and_restarts_after_a_kill(pool, tmp_p
     assert ca.fds() == [] and cb.fds() == []
 
 
-def test_agent_that_cannot_open_the_store_says_why(pool, tmp_path):
-    c = RemoteClient(str(tmp_path / "no-such-store"), RemoteConfig.parse(pool.remote_config()))
+def test_agent_that_cannot_open_the_store_says_why(fleet_pool, tmp_path):
+    c = RemoteClient(str(tmp_path / "no-such-store"), RemoteConfig.parse(fleet_pool.remote_config()))
     try:
         _until(lambda: c.down)
         assert "no-such-store" in c.failure or "store" in c.failure.lower(), c.failure

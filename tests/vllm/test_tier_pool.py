@@ -32,9 +32,9 @@ def _counters(e: Engine) -> dict:
             for name in ("pool_lookups", "pool_filled_chunks", "pool_timeouts")}
 
 
-def test_engine_b_promotes_what_engine_a_stored_through_the_pool(pool, tmp_path):
+def test_engine_b_promotes_what_engine_a_stored_through_the_pool(fleet_pool, tmp_path):
     keys = [key(500 + i) for i in range(6)]
-    remote = pool.remote_config()
+    remote = fleet_pool.remote_config()
     (tmp_path / "A").mkdir()
     (tmp_path / "B").mkdir()
     a = Engine(tier_entry("kvstore", tmp_path / "A", remote=remote))
@@ -62,15 +62,15 @@ def test_engine_b_promotes_what_engine_a_stored_through_the_pool(pool, tmp_path)
         b2.close()
 
 
-def test_pool_down_lookups_answer_from_the_local_store(own_pool, tmp_path):
+def test_pool_down_lookups_answer_from_the_local_store(own_fleet_pool, tmp_path):
     keys = [key(700 + i) for i in range(4)]
-    e = Engine(tier_entry("kvstore", tmp_path, remote={**own_pool.remote_config(),
+    e = Engine(tier_entry("kvstore", tmp_path, remote={**own_fleet_pool.remote_config(),
                                                          "fetch_timeout_s": 5.0}))
     try:
         e.store(keys[:2])
         e.evict_from_primary(keys[:2])
-        os.kill(own_pool.master_pid, signal.SIGKILL)
-        os.kill(own_pool.client_pid, signal.SIGKILL)
+        os.kill(own_fleet_pool.master_pid, signal.SIGKILL)
+        os.kill(own_fleet_pool.client_pid, signal.SIGKILL)
         assert e.lookup(keys) == [LookupResult.HIT] * 2 + [LookupResult.MISS] * 2
         for k, got in zip(keys[:2], e.read(keys[:2])):
             assert np.array_equal(got, payload(k))
