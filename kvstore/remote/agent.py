@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 
@@ -63,7 +64,12 @@ class AgentStats:
 
 
 class FleetAgent:
-    """See the module docstring. Not thread-safe: one caller (the agent's main loop)."""
+    """See the module docstring. Not thread-safe: one caller (the agent's main loop).
+
+    Both directions are a two-stage pipeline over the two halves of the registered
+    buffer: the pool's transfers run on one thread of their own (Mooncake's calls release
+    the GIL), the local store's I/O and the records' work on the caller's, so part i+1
+    crosses the network while part i is written to (or read from) the local disk."""
 
     CONNECT_WAIT_S = 3.0
 
@@ -78,17 +84,20 @@ class FleetAgent:
             self.digest = fingerprint_digest(lay, None if ident is None else ident.to_dict())
             self.tp = lay.tp_size
             self.payload = lay.block_bytes
-            self.record = -(-(HEADER_SIZE + self.payload) // 64) * 64
-            if self.record * self.tp > cfg.buffer_bytes:
-                raise KVStoreError(f"the remote buffer ({cfg.buffer_bytes} bytes) cannot hold one "
-                                   f"block of every rank ({self.record * self.tp} bytes); raise "
-                                   "remote.buffer")
-            self.chunk = cfg.buffer_bytes // (self.record * self.tp)
+            self.size = HEADER_SIZE + self.payload        # one record
+            self.record = -(-self.size // 64) * 64        # its place in the buffer
+            self.half = cfg.buffer_bytes // 2
+            if self.record * self.tp > self.half:
+                raise KVStoreError(f"the remote buffer ({cfg.buffer_bytes} bytes) cannot hold two "
+                                   f"blocks of every rank ({2 * self.record * self.tp} bytes); "
+                                   "raise remote.buffer")
+            self.chunk = self.half // (self.record * self.tp)   # blocks per part
             self.pool = pool or MooncakePool(cfg)
         except BaseException:
             self.store.close()
             raise
         self.stats = AgentStats()
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kvstore-pool-io")
         # connect now (the first fetch should not pay for it), waiting a little: against
         # a master that does not answer, Mooncake's setup goes on in the background
         self.pool.available(wait=self.CONNECT_WAIT_S)
@@ -96,72 +105,94 @@ class FleetAgent:
     def _names(self, keys: list[bytes]) -> list[str]:
         return [pool_key(self.digest, k, r) for k in keys for r in range(self.tp)]
 
-    def _off(self, j: int) -> int:
-        return j * self.record
+    def _off(self, half: int, j: int) -> int:
+        """Record j of a part in buffer half `half`."""
+        return half * self.half + j * self.record
+
+    def _timed_pool(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.stats.pool_s += time.perf_counter() - t0
 
     # -- fetch -----------------------------------------------------------------------------
     def fetch(self, keys: list[bytes]) -> int:
         """Blocks of the prefix of `keys` local after the fetch (found there, or filled)."""
-        st = self.stats
-        st.fetches += 1
+        self.stats.fetches += 1
         local = len(self.store.longest_prefix(keys))
-        pos = local
-        while pos < len(keys):
-            part = keys[pos:pos + self.chunk]
-            got = self._fetch_part(part)
-            pos += got
-            if got < len(part):
-                break
-        self._sync_pool_stats()
-        return pos
+        todo = keys[local:]
+        parts = [todo[i:i + self.chunk] for i in range(0, len(todo), self.chunk)]
+        done, nxt = local, None
+        if parts:
+            nxt = self._io.submit(self._timed_pool, self._pool_read, parts[0], 0)
+        try:
+            for i, part in enumerate(parts):
+                n, read = nxt.result()
+                nxt = None
+                if n == len(part) and i + 1 < len(parts):     # the next part crosses now
+                    nxt = self._io.submit(self._timed_pool, self._pool_read, parts[i + 1],
+                                          (i + 1) % 2)
+                got = self._fill(part, n, read, i % 2)
+                done += got
+                if got < len(part):
+                    break
+        finally:
+            if nxt is not None:     # a part read ahead of a hole: its half is not reused yet
+                nxt.result()
+            self._sync_pool_stats()
+        return done
 
-    def _fetch_part(self, part: list[bytes]) -> int:
-        st, tp, buf = self.stats, self.tp, self.pool.buffer
+    def _pool_read(self, part: list[bytes], half: int) -> tuple[int, list[int] | None]:
+        """Pool thread: (blocks of the prefix of `part` the pool has on every rank, the
+        bytes read per record into buffer half `half`)."""
+        tp = self.tp
         names = self._names(part)
-        t0 = time.perf_counter()
         have = self.pool.exists(names)
         if have is None:
-            st.pool_s += time.perf_counter() - t0
-            return 0
+            return 0, None
         n = 0
         while n < len(part) and all(have[n * tp:(n + 1) * tp]):
             n += 1
         if not n:
-            return 0
+            return 0, None
         names = names[:n * tp]
-        size = HEADER_SIZE + self.payload
-        read = self.pool.get_into(names, [self._off(j) for j in range(len(names))],
-                                  [size] * len(names))
-        t1 = time.perf_counter()
-        st.pool_s += t1 - t0
-        if read is None:
-            return 0
+        read = self.pool.get_into(names, [self._off(half, j) for j in range(len(names))],
+                                  [self.size] * len(names))
+        return (n, read) if read is not None else (0, None)
+
+    def _fill(self, part: list[bytes], n: int, read, half: int) -> int:
+        """Verify the n records read of `part` and write the good prefix into the local
+        store; the blocks of `part` local afterwards."""
+        st, tp, buf = self.stats, self.tp, self.pool.buffer
+        t0 = time.perf_counter()
         good = 0
         for i in range(n):
             for r in range(tp):
                 j = i * tp + r
-                o = self._off(j)
-                why = (f"read returned {read[j]}" if read[j] != size
-                       else check(buf[o:o + size], self.digest, part[i], r, self.payload))
+                o = self._off(half, j)
+                why = (f"read returned {read[j]}" if read[j] != self.size
+                       else check(buf[o:o + self.size], self.digest, part[i], r, self.payload))
                 if why is not None:
                     break
             else:
                 good += 1
                 continue
-            if read[j] == size:     # a bad record (not a plain miss): never served again
+            if read[j] == self.size:    # a bad record (not a plain miss): never served again
                 st.verify_failed += 1
-                self.pool.remove(names[j])
+                name = pool_key(self.digest, part[i], r)
+                self._io.submit(self.pool.remove, name).result()
                 log.warning("kvstore: pool record %s refused (%s); the block is recomputed",
-                            names[j], why)
+                            name, why)
             break
         st.pool_hit_blocks += good
-        t2 = time.perf_counter()
-        st.records_s += t2 - t1
+        t1 = time.perf_counter()
+        st.records_s += t1 - t0
         if not good:
             return 0
 
         def payload(i: int, r: int):
-            o = self._off(i * tp + r) + HEADER_SIZE
+            o = self._off(half, i * tp + r) + HEADER_SIZE
             return buf[o:o + self.payload]
         try:
             stored = self.store.put(part[:good], payload)
@@ -169,7 +200,7 @@ class FleetAgent:
             log.warning("kvstore: writing pool blocks into the local store failed: %s", exc)
             return 0
         finally:
-            st.local_s += time.perf_counter() - t2
+            st.local_s += time.perf_counter() - t1
         st.filled_blocks += len(stored)
         st.fill_bytes += len(stored) * tp * self.payload
         # blocks another writer stored meanwhile count as local too
@@ -177,23 +208,35 @@ class FleetAgent:
 
     # -- publish ---------------------------------------------------------------------------
     def publish(self, keys: list[bytes]) -> int:
-        """Put the blocks of `keys` this store holds into the pool (those it lacks, skipped).
-        Returns the blocks the pool took."""
-        done = 0
-        for pos in range(0, len(keys), self.chunk):
-            done += self._publish_part(keys[pos:pos + self.chunk])
-        self._sync_pool_stats()
+        """Put the blocks of `keys` this store holds into the pool (those it lacks, or the
+        pool has, skipped). Returns the blocks the pool took."""
+        tp = self.tp
+        have = self._io.submit(self._timed_pool, self.pool.exists, self._names(keys)).result()
+        if have is None:
+            self._sync_pool_stats()
+            return 0
+        todo = [k for i, k in enumerate(keys) if not all(have[i * tp:(i + 1) * tp])]
+        done, pending = 0, None
+        try:
+            for i in range(0, len(todo), self.chunk):
+                half = (i // self.chunk) % 2
+                ready = self._encode(todo[i:i + self.chunk], half)  # while the last part crosses
+                if pending is not None:
+                    done += pending.result()
+                    pending = None
+                if ready:
+                    pending = self._io.submit(self._timed_pool, self._pool_write, ready, half)
+        finally:
+            if pending is not None:
+                done += pending.result()
+            self._sync_pool_stats()
         return done
 
-    def _publish_part(self, part: list[bytes]) -> int:
+    def _encode(self, part: list[bytes], half: int) -> list[bytes]:
+        """Read the blocks of `part` the local store holds (verified) and write their
+        records into buffer half `half`; returns their keys."""
         st, tp, buf = self.stats, self.tp, self.pool.buffer
         t0 = time.perf_counter()
-        have = self.pool.exists(self._names(part))
-        t1 = time.perf_counter()
-        st.pool_s += t1 - t0
-        if have is None:
-            return 0
-        part = [k for i, k in enumerate(part) if not all(have[i * tp:(i + 1) * tp])]
         data: dict[bytes, list] = {}
         rest = part
         while rest:     # the local store's prefix reads stop at a hole: go on after it
@@ -201,21 +244,21 @@ class FleetAgent:
             data.update(got)
             rest = rest[len(got) + 1:]
         keys = [k for k in part if k in data]
-        t2 = time.perf_counter()
-        st.local_s += t2 - t1
-        if not keys:
-            return 0
-        size = HEADER_SIZE + self.payload
+        t1 = time.perf_counter()
+        st.local_s += t1 - t0
         for i, k in enumerate(keys):
             for r in range(tp):
-                o = self._off(i * tp + r)
-                encode_into(buf[o:o + size], self.digest, k, r, data[k][r])
+                o = self._off(half, i * tp + r)
+                encode_into(buf[o:o + self.size], self.digest, k, r, data[k][r])
+        st.records_s += time.perf_counter() - t1
+        return keys
+
+    def _pool_write(self, keys: list[bytes], half: int) -> int:
+        """Pool thread: put the records of `keys` from buffer half `half`; blocks taken."""
+        st, tp = self.stats, self.tp
         names = self._names(keys)
-        t3 = time.perf_counter()
-        st.records_s += t3 - t2
-        codes = self.pool.put_from(names, [self._off(j) for j in range(len(names))],
-                                   [size] * len(names))
-        st.pool_s += time.perf_counter() - t3
+        codes = self.pool.put_from(names, [self._off(half, j) for j in range(len(names))],
+                                   [self.size] * len(names))
         if codes is None:
             return 0
         ok = sum(1 for i in range(len(keys)) if all(c == 0 for c in codes[i * tp:(i + 1) * tp]))
@@ -231,6 +274,7 @@ class FleetAgent:
         """Close the store (its lease ends) and, with `pool`, the pool's connection (the
         agent process leaves that to its exit: Mooncake's close waits on a master that
         died)."""
+        self._io.shutdown(wait=True)
         try:
             if pool:
                 self.pool.close()
