@@ -216,6 +216,24 @@ class TableLookups:
             self.cross_hits += len(out_k)
         return out_k, out_s, out_g
 
+    def adopt(self, keys: list[bytes], slots: list[int], gens: list[int]) -> int:
+        """`ServingIndex.adopt`: entries another writer of the store committed and reported
+        (the fleet agent's fills) join the table, the prefix whose slots still hold their
+        generations; no LMDB read. Returns how many joined."""
+        n = min(len(keys), len(slots), len(gens))
+        if not n or not self.ready:
+            return 0
+        keys, slots, gens = list(keys[:n]), list(slots[:n]), list(gens[:n])
+        with self.lock:
+            self.table.pin(slots)
+            kept = self.table.validate_pinned(keys, slots, gens, False)   # unpins the rest
+            try:
+                if kept:
+                    self.table.put_many(keys[:kept], slots[:kept], gens[:kept])
+            finally:
+                self.table.unpin(slots[:kept])
+        return kept
+
     def present(self, hashes: list, start: int, stop: int, group: int = 0) -> bytes:
         """`ServingIndex.present`."""
         if not self.ready:

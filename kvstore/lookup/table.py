@@ -176,6 +176,13 @@ class ServingIndex:
     def contains(self, key: bytes) -> bool:
         return self._lookups.contains(key)
 
+    def adopt(self, keys: list[bytes], slots: list[int], generations: list[int]) -> int:
+        """Entries another writer of this store committed and reported (the fleet agent's
+        fills: kvstore.remote) join the table now, checked against the slots' current
+        generations, so the next lookup finds them without reading LMDB. Returns how many
+        joined (a prefix)."""
+        return self._lookups.adopt(keys, slots, generations)
+
     # The step thread's per-step walks take vLLM's block hashes as they are (a list of
     # bytes) and run in C over the table (`KeyTable.prefix_of`, `plan_new`): no Python
     # object per block that is skipped, about 0.1-0.3 us per block.

@@ -206,6 +206,13 @@ class FleetAgent:
         # blocks another writer stored meanwhile count as local too
         return len(self.store.longest_prefix(part[:good]))
 
+    def fetch_entries(self, keys: list[bytes]) -> tuple[list[int], list[int]]:
+        """`fetch`, answered with the (slots, generations) of the prefix of `keys` local
+        afterwards: the engine adds them to its table without reading LMDB."""
+        n = self.fetch(keys)
+        entries = self.store.longest_prefix(keys[:n]) if n else []
+        return [e.slot for e in entries], [e.generation for e in entries]
+
     # -- publish ---------------------------------------------------------------------------
     def publish(self, keys: list[bytes]) -> int:
         """Put the blocks of `keys` this store holds into the pool (those it lacks, or the
@@ -382,11 +389,12 @@ def main(argv=None) -> int:
                 _, token, keys = msg
                 t0 = time.monotonic()
                 try:
-                    n = agent.fetch(keys)
+                    slots, gens = agent.fetch_entries(keys)
                 except Exception as exc:    # noqa: BLE001 (a request never fails for the pool)
                     log.warning("kvstore: fetch from the pool failed: %s", exc)
-                    n = -1
-                out.send(("fetched", token, n, time.monotonic() - t0))
+                    slots, gens = [], []
+                # plain lists over the pipe (this module runs as __main__ here)
+                out.send(("fetched", token, slots, gens, time.monotonic() - t0))
             elif kind == "publish":
                 try:
                     agent.publish(msg[1])

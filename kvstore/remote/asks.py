@@ -26,7 +26,7 @@ class Ask:
     token: int
     deadline: float
     keys: list[bytes]
-    result: int | None = None
+    result: int | None = None     # blocks local after the fetch (-1: no answer in time)
 
 
 class KeyAsks:
@@ -34,8 +34,10 @@ class KeyAsks:
 
     TRIED_S = 30.0
 
-    def __init__(self, client: RemoteClient, timeout_s: float):
-        self.client, self.timeout_s = client, timeout_s
+    def __init__(self, client: RemoteClient, timeout_s: float, adopt=None):
+        """`adopt(keys, slots, generations)`: entries the agent reports local, for the
+        caller's in-memory table."""
+        self.client, self.timeout_s, self.adopt = client, timeout_s, adopt
         self._batch: dict[str, list[bytes]] = {}
         self._asks: dict[bytes, Ask] = {}
         self._tried: dict[bytes, float] = {}    # key -> until when it is not asked again
@@ -47,15 +49,18 @@ class KeyAsks:
         ask = self._asks.get(key)
         if ask is not None:
             if ask.result is None:
-                got = self.client.answer(ask.token)
-                if got is None:
+                ans = self.client.answer(ask.token)
+                if ans is None:
                     if now < ask.deadline and not self.client.down:
                         return "retry"
                     got = -1
                     self.timeouts += 1
                     self.client.abandon(ask.token)
                 else:
-                    self.filled += max(got, 0)
+                    got = ans.blocks
+                    self.filled += got
+                    if got and self.adopt is not None:
+                        self.adopt(ask.keys[:got], ans.slots, ans.generations)
                 ask.result = got
             for k in ask.keys:
                 if self._asks.get(k) is ask:

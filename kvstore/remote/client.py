@@ -13,11 +13,25 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from kvstore.store.config import RemoteConfig
 
 log = logging.getLogger("kvstore.remote")
+
+
+@dataclass(slots=True)
+class FetchAnswer:
+    """The agent's answer to a fetch: the slots and generations of the prefix of the
+    asked keys that the local store holds now (found there, or filled from the pool)."""
+    slots: list[int]
+    generations: list[int]
+    seconds: float = 0.0
+
+    @property
+    def blocks(self) -> int:
+        return len(self.slots)
 
 
 class RemoteClient:
@@ -30,7 +44,7 @@ class RemoteClient:
     def __init__(self, store_path: str, cfg: RemoteConfig, *, io_mode: str = "direct"):
         self.store_path, self.cfg, self.io_mode = store_path, cfg, io_mode
         self._q: queue.Queue = queue.Queue(maxsize=max(64, cfg.publish_queue // 16 + 64))
-        self._answers: dict[int, int] = {}
+        self._answers: dict[int, FetchAnswer] = {}
         self._abandoned: set[int] = set()   # fetches no one waits for any more
         self._stats: dict = {}
         self._lock = threading.Lock()
@@ -70,9 +84,9 @@ class RemoteClient:
         except queue.Full:
             return False
 
-    def answer(self, token: int) -> int | None:
-        """Blocks local after fetch `token` (-1: it failed), or None while it runs (or
-        when the agent died with it)."""
+    def answer(self, token: int) -> FetchAnswer | None:
+        """Fetch `token`'s answer (the entries local afterwards), or None while it runs
+        (or when the agent died with it)."""
         with self._lock:
             return self._answers.pop(token, None)
 
@@ -205,7 +219,7 @@ class RemoteClient:
                     if msg[1] in self._abandoned:
                         self._abandoned.discard(msg[1])
                     else:
-                        self._answers[msg[1]] = msg[2]
+                        self._answers[msg[1]] = FetchAnswer(msg[2], msg[3], msg[4])
                 elif msg[0] == "stats":
                     self._stats = msg[2]
         inbox.close()

@@ -55,6 +55,7 @@ class PoolWait:
     (the lookup answered None: "not known yet") until `deadline`."""
     token: int
     deadline: float
+    keys: list[bytes]
 
 
 @dataclass(slots=True)
@@ -179,22 +180,27 @@ class Lookups:
         if not self.remote.ask(token, keys):
             return False
         self.stats.add(pool_lookups=1)
-        self.pool_wait[req_id] = PoolWait(token, time.monotonic() + self.ctx.cfg.remote.fetch_timeout_s)
+        self.pool_wait[req_id] = PoolWait(token, time.monotonic() + self.ctx.cfg.remote.fetch_timeout_s,
+                                          keys)
         return True
 
     def _pool_pending(self, req_id: str) -> bool:
         """Whether the request still waits for the pool; once not, its lookup reads the
         local store, which holds what the agent filled."""
         w = self.pool_wait[req_id]
-        got = self.remote.answer(w.token)
-        if got is None and time.monotonic() < w.deadline and not self.remote.down:
+        ans = self.remote.answer(w.token)
+        if ans is None and time.monotonic() < w.deadline and not self.remote.down:
             return True
         del self.pool_wait[req_id]
-        if got is None:
+        if ans is None:
             self.remote.abandon(w.token)
             self.stats.add(pool_timeouts=1)
-        elif got > 0:
-            self.stats.add(pool_filled_blocks=got)
+        elif ans.blocks:
+            self.stats.add(pool_filled_blocks=ans.blocks)
+            try:    # into the table now: the lookup that follows finds them without LMDB
+                self.index.adopt(w.keys[:ans.blocks], ans.slots, ans.generations)
+            except Exception as exc:    # never raises into the engine: LMDB finds them
+                self.ctx.warn_once("adopting the pool's blocks", exc)
         return False
 
     def _match_hybrid(self, request, start: int, end: int) -> tuple[int, bool]:

@@ -184,7 +184,7 @@ class KVStoreTier(SecondaryTierManager):
                 from kvstore.remote.asks import KeyAsks
                 from kvstore.remote.client import RemoteClient
                 self.remote = RemoteClient(self._store.path, cfg.remote, io_mode=cfg.io_mode)
-                self.pool = KeyAsks(self.remote, cfg.remote.fetch_timeout_s)
+                self.pool = KeyAsks(self.remote, cfg.remote.fetch_timeout_s, self._sidx.adopt)
                 self.io.on_committed = self.remote.publish
             self.io.start()
         except BaseException:

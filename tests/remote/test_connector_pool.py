@@ -42,6 +42,8 @@ def test_engine_b_loads_what_engine_a_stored_through_the_pool(fleet_pool, tmp_pa
         cs = conn_stats(b)
         assert cs["pool_lookups"] == 3 and cs["pool_filled_blocks"] == 3 * 8
         assert cs["pool_timeouts"] == 0
+        # the agent's answer put the filled blocks into B's table: no LMDB read found them
+        assert sched(b).index.cross_hits == 0
         settle(b)
     # B again, after a restart: its own disk has the blocks; the pool is not asked
     with kv_harness(tmp_path / "storeB", extra=extra) as b:
