@@ -69,9 +69,27 @@ def _mooncake_reference(cfg, names: list[str], size: int, data: np.ndarray, roun
         pool.close()
 
 
+def _timed_agent(path: str, cfg, work, blocks: int, remove=()) -> tuple[float, dict]:
+    """Seconds `work(agent)` takes on a `FleetAgent` over the store at `path` (it must
+    move `blocks` blocks), and where the agent's time went; then `remove`'s records leave
+    the pool (room for the next round)."""
+    from kvstore.remote.agent import FleetAgent
+    from kvstore.remote.records import pool_key
+    ag = FleetAgent(path, cfg)
+    try:
+        t0 = time.perf_counter()
+        assert work(ag) == blocks, ag.stats
+        s = time.perf_counter() - t0
+        split = dict(pool_s=ag.stats.pool_s, local_s=ag.stats.local_s, records_s=ag.stats.records_s)
+        for k in remove:
+            ag.pool.remove(pool_key(ag.digest, k, 0))
+        return s, split
+    finally:
+        ag.close()
+
+
 def transfer(fl, workdir: str, blocks: int, block_size: int, rounds: int) -> dict:
     """Section 1 (module docstring)."""
-    from kvstore.remote.agent import FleetAgent
     from kvstore.remote.records import HEADER_SIZE
     from kvstore.store.config import RemoteConfig
     from kvstore.store.disk import DiskStore
@@ -81,7 +99,6 @@ def transfer(fl, workdir: str, blocks: int, block_size: int, rounds: int) -> dic
     cfg = RemoteConfig.parse({**fl.remote_config(), "buffer": buffer})
     rng = np.random.default_rng(5)
     data = rng.integers(0, 256, buffer, dtype=np.uint8)
-    from kvstore.remote.records import pool_key
     capacity = (blocks + 64) * (block_size + 4096) * 2
     out = {"blocks": blocks, "block_bytes": block_size, "rounds": rounds, "kvstore": [],
            "mooncake": None}
@@ -92,24 +109,9 @@ def transfer(fl, workdir: str, blocks: int, block_size: int, rounds: int) -> dic
         with DiskStore.create(a_path, lay, capacity, io=True) as a:
             a.put(keys, lambda i, rank: data[(i * 4099) % (len(data) - block_size):][:block_size])
         DiskStore.create(b_path, lay, capacity).close()
-        ag = FleetAgent(a_path, cfg)
-        try:
-            t0 = time.perf_counter()
-            assert ag.publish(keys) == blocks, ag.stats
-            pub_s = time.perf_counter() - t0
-            pub = dict(pool_s=ag.stats.pool_s, local_s=ag.stats.local_s, records_s=ag.stats.records_s)
-        finally:
-            ag.close()
-        ag = FleetAgent(b_path, cfg)
-        try:
-            t0 = time.perf_counter()
-            assert ag.fetch(keys) == blocks, ag.stats
-            fill_s = time.perf_counter() - t0
-            fill = dict(pool_s=ag.stats.pool_s, local_s=ag.stats.local_s, records_s=ag.stats.records_s)
-            for k in keys:      # room for the next round
-                ag.pool.remove(pool_key(ag.digest, k, 0))
-        finally:
-            ag.close()
+        pub_s, pub = _timed_agent(a_path, cfg, lambda ag: ag.publish(keys), blocks)
+        fill_s, fill = _timed_agent(b_path, cfg, lambda ag: ag.fetch(keys), blocks,
+                                    remove=keys)
         nbytes = blocks * block_size
         row = {"publish_gbps": _gbps(nbytes, pub_s), "fill_gbps": _gbps(nbytes, fill_s),
                # the pool's side alone (the agent's Mooncake calls, overlapped with the rest)

@@ -109,12 +109,7 @@ class MooncakePool:
         self._down_until = time.monotonic() + self.RETRY_S
         log.warning("kvstore: the KV pool is unavailable (%s); serving from the local store, "
                     "retrying in %.0f s", why, self.RETRY_S)
-        if self._store is not None:
-            try:
-                self._store.close()
-            except Exception:   # noqa: BLE001
-                pass
-            self._store = None
+        self.close()
 
     def _call(self, what: str, fn, *args) -> list[int] | None:
         if not self.available():
