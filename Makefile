@@ -11,8 +11,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvstore-installed
-# The liburing binding's wheel, built once from its sdist (see $(STAMP))
+# The liburing binding's wheel, built once from its sdist (see $(WHEEL_STAMP))
 LIBURING_WHEELS := $(VENV)/wheels
+WHEEL_STAMP := $(LIBURING_WHEELS)/.built
+# Held by whatever builds the extension modules in place (tools/engine_env.py too).
+BUILD_LOCK := $(VENV)/.build.lock
 
 .PHONY: all build engine demo test test-fast bench wheel clean
 
@@ -35,14 +38,15 @@ $(SYSDEPS):
 # Mooncake Store's shared libraries (the fleet's KV pool, kvstore[fleet]: docs/FLEET.md).
 FLEETDEPS := /usr/lib/x86_64-linux-gnu/libibverbs.so.1 /usr/lib/x86_64-linux-gnu/libnuma.so.1 \
              /usr/lib/x86_64-linux-gnu/libcurl.so.4
-$(FLEETDEPS):
+$(FLEETDEPS): | $(SYSDEPS)
 	@dpkg -s libibverbs1 libnuma1 libcurl4 >/dev/null 2>&1 || { (apt-get update -q && \
 	  apt-get install -y -q libibverbs1 libnuma1 libcurl4) >/dev/null 2>&1; } || { \
 	  echo "error: could not install libibverbs1 libnuma1 libcurl4 (apt-get), which Mooncake Store" \
 	       "(the fleet's KV pool) loads; install them, then rerun"; exit 1; }
 
 # fio: the benchmarks' device-limit reference; `kvstore bench io` and its tests need it.
-/usr/bin/fio:
+# (apt-get runs one at a time: each package target waits for the one before it.)
+/usr/bin/fio: | $(FLEETDEPS)
 	@command -v fio >/dev/null 2>&1 || { (apt-get update -q && apt-get install -y -q fio) >/dev/null 2>&1; } || { \
 	  echo "error: could not install fio (apt-get install fio), which the benchmarks and their tests run;" \
 	       "install it, then rerun"; exit 1; }
@@ -58,36 +62,43 @@ define check_disk
 	       "clones and stores under /tmp), then rerun"; exit 1; fi
 endef
 
-$(STAMP): pyproject.toml setup.py tools/vllm_env.py tools/engine_env.py | $(SYSDEPS) $(FLEETDEPS)
+# .venv itself and the liburing binding's wheel: the liburing binding is an sdist on PyPI
+# (its build compiles the bundled C library, minutes here), built into a wheel once, in
+# $(LIBURING_WHEELS), which .venv's install, .venv-engine's (tools/engine_env.py) and the
+# user wheel (tools/build_wheel.py) reuse. After it, .venv and .venv-engine install at once
+# (`make test` and `make demo` run `make -j2 engine`).
+$(WHEEL_STAMP): | $(SYSDEPS) $(FLEETDEPS)
 	# gcc, the venv module, mkfs.ext4, losetup, root: all that is missing, in one message.
 	$(PYTHON) tools/engine_env.py --check
 	$(if $(wildcard $(PY)),,$(call check_disk,$(NEED_GIB)))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
-	# The liburing binding is an sdist on PyPI (its build compiles the bundled C library,
-	# minutes here): built into a wheel once, in $(LIBURING_WHEELS), which this install,
-	# .venv-engine's (tools/engine_env.py) and the user wheel (tools/build_wheel.py) reuse.
 	test -n "$$(ls $(LIBURING_WHEELS)/liburing-2024.5.3-*.whl 2>/dev/null)" || \
 	  $(PIP) wheel -q --no-deps -w $(LIBURING_WHEELS) "liburing==2024.5.3"
+	touch $(WHEEL_STAMP)
+
+$(STAMP): pyproject.toml setup.py tools/vllm_env.py tools/engine_env.py | $(WHEEL_STAMP) $(SYSDEPS) $(FLEETDEPS)
 	# Build requirements first, so the extension build below can skip isolation.
 	$(PIP) install -q --find-links $(LIBURING_WHEELS) "liburing==2024.5.3" "Cython>=3.0,<3.1" "numpy>=1.26"
 	# vLLM 0.33.0 (CUDA build); on a machine without a GPU, without its GPU kernel packages.
 	$(PYTHON) tools/vllm_env.py $(VENV)
-	$(PIP) install -q --no-build-isolation -e ".[test,bench,fleet]"
+	# (builds of the extensions in place, one at a time: .venv-engine's install builds them too)
+	flock $(BUILD_LOCK) $(PIP) install -q --no-build-isolation -e ".[test,bench,fleet]"
 	touch $(STAMP)
 
 build: $(STAMP) | $(SYSDEPS)
-	$(PY) setup.py -q build_ext --inplace
+	flock $(BUILD_LOCK) $(PY) setup.py -q build_ext --inplace
 
-$(ENGINE_STAMP): pyproject.toml setup.py tools/engine_env.py | $(STAMP) $(SYSDEPS)
-	# .venv-engine ~3.5 GiB and the suite under 1 more: with .venv made, 4 (12 less ~7.5, rounded down).
+$(ENGINE_STAMP): pyproject.toml setup.py tools/engine_env.py | $(WHEEL_STAMP) $(SYSDEPS)
+	# .venv-engine ~3.5 GiB and the suite under 1 more: 4 (the first install asked 12 for both venvs).
 	$(if $(wildcard $(ENGINE_VENV)/bin/python),,$(call check_disk,4))
 	$(PYTHON) tools/engine_env.py $(ENGINE_VENV)
 	touch $(ENGINE_STAMP)
 
 engine: build $(ENGINE_STAMP)
 
-demo: engine /usr/bin/fio
+demo: /usr/bin/fio
+	$(MAKE) --no-print-directory -j2 engine
 	$(VENV)/bin/kvstore demo
 
 # The whole suite, and where its time goes (the 30 slowest tests of each run), in two runs:
@@ -98,7 +109,8 @@ demo: engine /usr/bin/fio
 # tests/conftest.py). The second run starts unless the first was interrupted; the target
 # fails if either failed.
 E2E_WORKERS ?= 2
-test: engine /usr/bin/fio
+test: /usr/bin/fio
+	$(MAKE) --no-print-directory -j2 engine
 	$(PY) -m pytest -q --durations=30 -m "not e2e and not slow" tests; rc=$$?; [ $$rc -le 1 ] || exit $$rc; \
 	  $(PY) -m pytest -q --durations=30 -n $(E2E_WORKERS) --dist loadgroup -m "e2e or slow" tests && exit $$rc
 

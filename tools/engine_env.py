@@ -27,6 +27,8 @@ is False on the CPU platform) and xgrammar imports without it.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import shutil
@@ -159,8 +161,13 @@ def install_kvstore(py: str) -> None:
     wheels = REPO / ".venv" / "wheels"
     pip(py, *(["--find-links", str(wheels)] if wheels.is_dir() else []), *KVSTORE_BUILD, *FLEET)
     # Editable, as in the main venv: the engine runs the working tree's kvstore. The build
-    # (both venvs are the same Python) writes the same in-place extension modules.
-    pip(py, "--no-build-isolation", "--no-deps", "-e", str(REPO))
+    # (both venvs are the same Python) writes the same in-place extension modules: one
+    # build at a time (`make` installs both venvs at once and holds the same lock).
+    lock = REPO / ".venv" / ".build.lock"
+    with open(lock, "a") if lock.parent.is_dir() else contextlib.nullcontext() as f:
+        if f is not None:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        pip(py, "--no-build-isolation", "--no-deps", "-e", str(REPO))
 
 
 def _which(tool: str) -> str | None:
