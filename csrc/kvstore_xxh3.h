@@ -1,8 +1,8 @@
 /* XXH3-64 for the slot codec: xxHash (Debian libxxhash-dev) compiled in header-only, with
  * a run-time pick of its AVX2 build where the CPU has AVX2. The portable build runs SSE2
- * on x86-64, about 21 GB/s on our VMs; the AVX2 one about 31 GB/s (tools/ has no bench for
- * this: see the note of issue 6). The system libxxhash's own dispatcher measured at SSE2
- * speed here, hence this instead of linking it. */
+ * on x86-64, about 21 GB/s on our VMs; the AVX2 one 25-33 GB/s (docs/ARCHITECTURE.md, "Why
+ * these libraries"). The system libxxhash's own dispatcher measured at SSE2 speed here,
+ * hence this instead of linking it. */
 #ifndef KVSTORE_XXH3_H
 #define KVSTORE_XXH3_H
 #include <stddef.h>
