@@ -10,7 +10,6 @@ recomputed, load throughput, and the verification count.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.drivers.sim_verify import HarnessError
+from kvstore.drivers.sim_content import HarnessError
 
 __all__ = ["EngineOptions", "ModelShape", "KVGroups", "EngineSetup", "build_setup",
            "build_scheduler", "make_block_hasher", "read_model_shape"]

@@ -1,7 +1,8 @@
 """The CPU harness's ground truth: the tiny model directory it serves, and the KV bytes
 and Mamba states its fake forward writes, each a pure function of (hash of the token
 prefix, layer, position, rank), which every check compares against; `slot_positions`
-maps a range of token positions to (block, offset) through a block table.
+maps a range of token positions to (block, offset) through a block table; and
+`HarnessError`, what the harness raises when the engine misbehaves.
 
 Used by `kvstore.drivers.simulator.EngineHarness` and its parts; imports neither vLLM nor
 torch.
@@ -16,12 +17,17 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = [
+    "HarnessError",
     "write_model_dir",
     "prefix_hashes",
     "expected_token_bytes",
     "expected_state_bytes",
     "slot_positions",
 ]
+
+class HarnessError(AssertionError):
+    """The harness saw the engine misbehave (stuck request, leak, ...)."""
+
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvstore.drivers.sim_content import prefix_hashes, slot_positions
-from kvstore.drivers.sim_verify import HarnessError
+from kvstore.drivers.sim_content import HarnessError
 
 if TYPE_CHECKING:
     from kvstore.drivers.sim_build import KVGroups

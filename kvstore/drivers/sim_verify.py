@@ -4,8 +4,7 @@ the Mamba states a running request continues from, compares them with the
 deterministic content of `kvstore.drivers.sim_content`, and counts what it saw
 (``blocks_verified``, ``blocks_loaded``, ``blocks_mismatched``, ``states_read``) and
 the first mismatches. It keeps which blocks the harness's own forward wrote (a block
-found with that content is a local hit; anything else was loaded). `HarnessError` is
-what the harness raises when the engine misbehaves.
+found with that content is a local hit; anything else was loaded).
 """
 
 from __future__ import annotations
@@ -21,13 +20,9 @@ if TYPE_CHECKING:
     from kvstore.drivers.sim_ranks import Rank
     from kvstore.drivers.sim_requests import ReqState, Requests, StateRead, StateWrite, TokenWrites
 
-__all__ = ["HarnessError", "Verifier", "MAX_MISMATCHES"]
+__all__ = ["Verifier", "MAX_MISMATCHES"]
 
 MAX_MISMATCHES = 16   # details kept of the first mismatches
-
-
-class HarnessError(AssertionError):
-    """The harness saw the engine misbehave (stuck request, leak, ...)."""
 
 
 class Verifier:

@@ -42,7 +42,7 @@ the deterministic content), `sim_build.py` (the ``VllmConfig``, the KV cache gro
 the scheduler: `EngineOptions` -> `EngineSetup`, `KVGroups`), `sim_ranks.py` (`Workers`:
 the simulated ranks, their KV tensors and connectors, the forward), `sim_requests.py`
 (`Requests`: block tables, prefix hashes, the plan of a step) and `sim_verify.py`
-(`Verifier`: the byte-for-byte checks; `HarnessError`).
+(`Verifier`: the byte-for-byte checks).
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ from kvstore.drivers.sim_content import (
 )
 from kvstore.drivers.sim_ranks import Rank, Workers
 from kvstore.drivers.sim_requests import Requests
-from kvstore.drivers.sim_verify import HarnessError, Verifier
+from kvstore.drivers.sim_content import HarnessError
+from kvstore.drivers.sim_verify import Verifier
 
 __all__ = [
     "write_model_dir",
