@@ -406,8 +406,10 @@ def warmup_cmd(store, prompts, from_store, model, capacity, engine_arg, all_bloc
 @click.option("--queue-depth", default=32, show_default=True, type=click.IntRange(1, 4096))
 @click.option("--rounds", default=1, show_default=True, type=click.IntRange(1, 50),
               help="Rounds per system; medians are reported.")
-@click.option("--systems", default="kvstore,fs,fio", show_default=True,
-              help="Comma-separated subset of: kvstore, fs, fio.")
+@click.option("--systems", default="kvstore,fs,fio,fio-slots", show_default=True,
+              help="Comma-separated subset of: kvstore, fs, fio (sequential at the chunk size), "
+                   "fio-slots (fio with kvstore's own pattern: a slot per chunk, its header "
+                   "included).")
 @click.option("--durability", default="fdatasync", show_default=True,
               type=click.Choice(["fdatasync", "none"]),
               help="The kvstore tier's durability (the fs tier never syncs).")
