@@ -1,4 +1,4 @@
-"""The `kvstore` command line: info, fsck, warmup, bench, demo.
+"""The `kvstore` command line: info, fsck, warmup, bench, demo, fleet.
 
 Built on click (subcommands, typed options, generated --help) rather than argparse
 plumbing. Tools go through the engine API (`kvstore.store.disk.DiskStore`), never around it.
@@ -33,6 +33,7 @@ def main(verbose: bool):
       as a KV connector:  "kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.vllm"
       as a secondary tier of OffloadingConnector:  "secondary_tiers": [{"type": "KVStoreTier",
                           "module_path": "kvstore.vllm.tier", "path": ..., "capacity": ...}]
+      either way, a KV pool shared by a fleet:  "remote": {"master": "HOST:PORT"} (kvstore fleet)
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

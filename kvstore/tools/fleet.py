@@ -125,13 +125,18 @@ def _wait_listening(host: str, port: int, proc: subprocess.Popen, what: str, log
 def up(directory: str | None = None, *, host: str = "127.0.0.1", master_port: int = 0,
        client_port: int = 0, pool_size="1G", env: dict | None = None) -> Fleet:
     """Start a master and a pool client (ports 0: free ones); returns the `Fleet`."""
+    pool_bytes = parse_size(pool_size)     # a bad size is refused before anything is made
+    for what, port in (("--master-port", master_port), ("--client-port", client_port)):
+        if port and _listening(host, port):
+            # (the new process would fail to bind while the readiness check saw the old one)
+            raise KVStoreError(f"{host}:{port} is in use ({what}): another fleet or service "
+                               "listens there; stop it, or give another port (0: a free one)")
     directory = os.path.abspath(directory or default_dir())
     os.makedirs(directory, exist_ok=True)
     old = Fleet.load(directory)
     if old is not None and any(old.alive().values()):
         raise KVStoreError(f"a fleet already runs from {directory} (master {old.master}); "
                            "`kvstore fleet down` first, or choose another --dir")
-    pool_bytes = parse_size(pool_size)
     fl = Fleet(directory, host, master_port or free_port(host), client_port or free_port(host),
                pool_bytes)
     e = dict(os.environ, **(env or {}))
