@@ -215,12 +215,13 @@ def run(blocks: int = 512, block_size="2M", rounds: int = 3, index_entries: int 
         samples: int = 3, python: str | None = None, directory: str | None = None,
         say=print) -> dict:
     from kvstore.tools import fleet
+    bs = parse_size(block_size)     # a bad size is refused before anything is made
     workdir = scratch_dir("kvstore-bench-fleet-", directory)
-    bs = parse_size(block_size)
-    fl = fleet.up(os.path.join(workdir, "fleet"),
-                  pool_size=max(512 << 20, 2 * blocks * (bs + 4096)))
-    out: dict = {"pool": fl.remote_config(), "cpus": len(os.sched_getaffinity(0))}
+    fl = None
     try:
+        fl = fleet.up(os.path.join(workdir, "fleet"),
+                      pool_size=max(512 << 20, 2 * blocks * (bs + 4096)))
+        out: dict = {"pool": fl.remote_config(), "cpus": len(os.sched_getaffinity(0))}
         out["transfer"] = transfer(fl, workdir, blocks, bs, rounds)
         say(format_transfer(out["transfer"]))
         out["step"] = step(fl, workdir, index_entries, requests)
@@ -229,7 +230,8 @@ def run(blocks: int = 512, block_size="2M", rounds: int = 3, index_entries: int 
             out["ttft"] = ttft(fl, workdir, model, length, samples, python)
             say(format_ttft(out["ttft"]))
     finally:
-        fleet.down(fl.dir)
+        if fl is not None:
+            fleet.down(fl.dir)
         shutil.rmtree(workdir, ignore_errors=True)
     return out
 
