@@ -23,7 +23,12 @@ with the page cache dropped before every read phase, it measures for each system
   job, run by one pool thread), and lookups through the tier's own batch_lookup.
 - one_thread: blocking pwritev/preadv from one thread, one block at a time (the pattern of
   vLLM's SimpleCPUOffload disk mode); io_bench.OneThread for the bulk phases.
-- fio: io_uring, one job, same block size and depth (the device's practical limit).
+- fio: io_uring, one job, same block size and depth (the device's practical limit),
+  sequential at the block size.
+- fio_slots: the same with kvstore's own access pattern: block = a slot (the block and its
+  4096-byte header), as many slots in flight as kvstore's ring, in the order kvstore's store
+  places them (slot after slot); GB/s of block payload, as kvstore's figures. kvstore is
+  judged against this one: its header per block is part of its format, not of its code.
 
 Per system: store and load GB/s (payload bytes, GB = 1e9), CPU seconds per GB moved
 (getrusage of this process, every thread included; fio: its reported usr+sys), and the
@@ -78,7 +83,7 @@ import numpy as np
 
 from kvstore.bench.io_bench import drop_page_cache, parse_dirs
 from kvstore.bench.peers_baselines import FioCPU, MultiDirFioCPU, OneThreadPerDirSystem, OneThreadSystem
-from kvstore.bench.peers_common import (ALL_FIELDS, BW_FIELDS, LABELS, SYSTEMS, PeersContext, PrefixResult,
+from kvstore.bench.peers_common import (ALL_FIELDS, BW_FIELDS, FIO_SYSTEMS, LABELS, SYSTEMS, PeersContext, PrefixResult,
                                         anon_memory, bench_keys, cpu_seconds, percentile, prefix_samples)
 from kvstore.bench.peers_kvstore import KVStoreSystem
 from kvstore.bench.peers_report import format_table, plot, targets
@@ -281,6 +286,32 @@ class SizeResult:
     per_device: list | None
 
 
+def _fio_round(ctx: PeersContext, system: str, samp: dict) -> None:
+    """One fio round of `system` (fio: blocks; fio_slots: kvstore's slots, a block and its
+    header each), a job per directory at once; rates and CPU per GB of block payload."""
+    from kvstore.format.layout import HEADER_SIZE
+    unit = ctx.block + (HEADER_SIZE if system == "fio_slots" else 0)
+    size = ctx.nblocks * unit
+    payload = ctx.block / unit
+    if len(ctx.dirs) > 1:
+        f = MultiDirFioCPU(ctx.dirs, size, unit, ctx.qd, not ctx.page_cache)
+    else:
+        f = FioCPU(ctx.directory, size, unit, ctx.qd, not ctx.page_cache)
+    try:
+        w = f.write()
+        drop_page_cache()
+        r = f.read()
+    finally:
+        f.close()
+    samp["store"].append(w * payload / 1e9)
+    samp["load"].append(r * payload / 1e9)
+    samp["cpu"].append(f.cpu_s / (2 * size * payload / 1e9))
+    if len(ctx.dirs) > 1:
+        nan = [float("nan")] * len(ctx.dirs)
+        samp["dev_store"].append([x * payload for x in f.dev_gbps.get("write", nan)])
+        samp["dev_load"].append([x * payload for x in f.dev_gbps.get("read", nan)])
+
+
 def _one_size(ctx: PeersContext, systems, rounds, samples, log) -> SizeResult:
     size = ctx.nblocks * ctx.block
     multi = len(ctx.dirs) > 1
@@ -298,24 +329,8 @@ def _one_size(ctx: PeersContext, systems, rounds, samples, log) -> SizeResult:
         for rnd in range(rounds):
             for s in systems:
                 log(f"  {format_size(ctx.block)} round {rnd + 1}/{rounds}: {s}")
-                if s == "fio":
-                    if multi:  # a job per directory, all at once
-                        f = MultiDirFioCPU(ctx.dirs, size, ctx.block, ctx.qd, not ctx.page_cache)
-                    else:
-                        f = FioCPU(ctx.directory, size, ctx.block, ctx.qd, not ctx.page_cache)
-                    try:
-                        w = f.write()
-                        drop_page_cache()
-                        r = f.read()
-                    finally:
-                        f.close()
-                    samp[s]["store"].append(w / 1e9)
-                    samp[s]["load"].append(r / 1e9)
-                    samp[s]["cpu"].append(f.cpu_s / (2 * size / 1e9))
-                    if multi:
-                        nan = [float("nan")] * len(ctx.dirs)
-                        samp[s]["dev_store"].append(f.dev_gbps.get("write", nan))
-                        samp[s]["dev_load"].append(f.dev_gbps.get("read", nan))
+                if s in FIO_SYSTEMS:
+                    _fio_round(ctx, s, samp[s])
                     continue
                 o = objs[s]
                 ctx.dst[:] = 0
@@ -342,7 +357,7 @@ def _one_size(ctx: PeersContext, systems, rounds, samples, log) -> SizeResult:
     res, det = {}, {}
     for s, v in samp.items():
         r = {"store_gbps": statistics.median(v["store"]), "load_gbps": statistics.median(v["load"])}
-        if s != "fio":
+        if s not in FIO_SYSTEMS:
             r["cpu_s_per_gb"] = statistics.median(v["cpu"])
             r["prefix_load_p50_ms"] = percentile(v["lat"], 50)
             r["prefix_load_p99_ms"] = percentile(v["lat"], 99)
@@ -351,7 +366,7 @@ def _one_size(ctx: PeersContext, systems, rounds, samples, log) -> SizeResult:
         res[s] = {k: r[k] for k in ALL_FIELDS if k in r}
         det[s] = {"store_gbps_samples": v["store"], "load_gbps_samples": v["load"],
                   "cpu_s_per_gb_samples": v["cpu"]}
-        if s == "fio":
+        if s in FIO_SYSTEMS:
             det[s]["cpu_s_per_gb"] = r["fio_cpu_s_per_gb"]
         else:
             det[s]["prefix_samples"] = len(v["lat"])
@@ -383,7 +398,7 @@ def run(directory: str | None = None, size="1G", block_sizes="128K,512K,2M", que
     size_b = parse_size(size)
     staging_b = parse_size(staging_bytes)
     pmax = parse_size(prefix_max_bytes)
-    if "fio" in systems and shutil.which("fio") is None:
+    if set(FIO_SYSTEMS) & set(systems) and shutil.which("fio") is None:
         raise MissingDependency("fio is not installed (Debian: apt-get install fio)")
     own_dir = directory is None
     dirs = parse_dirs(directory)
@@ -459,7 +474,7 @@ def run(directory: str | None = None, size="1G", block_sizes="128K,512K,2M", que
         out["config"].update({
             "dir": ",".join(dirs), "dirs": dirs,
             "size_per_dir": size_b // ndirs,
-            "kvstore_dirs": dirs, "fio_dirs": dirs, "one_thread_dirs": dirs,
+            "kvstore_dirs": dirs, "fio_dirs": dirs, "fio_slots_dirs": dirs, "one_thread_dirs": dirs,
             "vllm_fs_dirs": dirs[:1],
             "multi_dir": {
                 "kvstore": "one store striped over every directory (data_dirs), a ring per directory",

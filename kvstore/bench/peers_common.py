@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SYSTEMS = ("kvstore", "vllm_fs", "one_thread", "fio")
-LABELS = {"kvstore": "kvstore", "vllm_fs": "vLLM fs tier", "one_thread": "1 thread", "fio": "fio io_uring"}
+SYSTEMS = ("kvstore", "vllm_fs", "one_thread", "fio", "fio_slots")
+LABELS = {"kvstore": "kvstore", "vllm_fs": "vLLM fs tier", "one_thread": "1 thread", "fio": "fio io_uring",
+          "fio_slots": "fio, slots"}
+FIO_SYSTEMS = ("fio", "fio_slots")
 BW_FIELDS = ("store_gbps", "load_gbps")
 ALL_FIELDS = ("store_gbps", "load_gbps", "cpu_s_per_gb", "prefix_load_p50_ms", "prefix_load_p99_ms")
 

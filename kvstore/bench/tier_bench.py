@@ -36,8 +36,9 @@ the same heads over fewer layers (4 KiB per layer and token: 128 KiB is 2 layers
 - fio: io_uring, one job, O_DIRECT, queue depth 32, block = chunk bytes, `--size` written
   then read (the device's practical limit);
 - fio-slots: the same with kvstore's own access pattern: block = a slot (the chunk and
-  its 4096-byte header), the same number of slots in flight (so the same bytes as
-  kvstore's ring), in order; GB/s of chunk payload, as kvstore's figures. kvstore is
+  its 4096-byte header), the same number of slots in flight as kvstore's rings
+  (`--queue-depth`, raised to hold the store's default `inflight_bytes`; `ring_depth` in
+  the JSON), in order; GB/s of chunk payload, as kvstore's figures. kvstore is
   judged against this one: its header per chunk is part of its format, not of its code.
 
 kvstore's slot files are written once before timing (zeros), as `kvstore bench peers`
@@ -61,7 +62,8 @@ import numpy as np
 from kvstore.bench.io_bench import drop_page_cache
 from kvstore.bench.plotting import size_panels
 from kvstore.errors import ConfigError, KVStoreError, MissingDependency
-from kvstore.format.layout import format_size, parse_size
+from kvstore.format.layout import HEADER_SIZE, format_size, parse_size
+from kvstore.io.rings import INFLIGHT_BYTES, ring_depth
 
 # 7B-class layout (Llama-3-8B / Mistral-7B: 32 layers, 8 KV heads, head dim 128, bf16):
 # K and V of every layer, per token
@@ -354,11 +356,11 @@ def _fio(directory: str, size: int, block: int, qd: int) -> dict:
 
 
 def _fio_slots(directory: str, nchunks: int, chunk: int, qd: int) -> dict:
-    """fio over `nchunks` kvstore slots (the chunk and its header) at `qd` slots in
-    flight; rates in GB/s of chunk payload."""
-    from kvstore.format.layout import HEADER_SIZE
+    """fio over `nchunks` kvstore slots (the chunk and its header) with as many slots in
+    flight as the tier's rings keep (`qd`, raised to hold `inflight_bytes`); rates in GB/s
+    of chunk payload."""
     slot = chunk + HEADER_SIZE
-    r = _fio(directory, nchunks * slot, slot, qd)
+    r = _fio(directory, nchunks * slot, slot, ring_depth(slot, qd, INFLIGHT_BYTES))
     return {k: v * chunk / slot for k, v in r.items()}
 
 
@@ -456,6 +458,8 @@ def run(directory: str | None = None, chunk_sizes=DEFAULT_CHUNKS, size="1G", cap
                              f" ({LAYERS} layers: 7B-class; fewer below 2 MiB chunks)",
                    "size": size_b, "kvstore_capacity": capacity_b, "primary": primary_b,
                    "job_tokens": job_tokens, "step_ms": step_ms, "queue_depth": queue_depth,
+                   "ring_depth": {str(c): ring_depth(c + HEADER_SIZE, queue_depth, INFLIGHT_BYTES)
+                                  for c in chunks},
                    "rounds": rounds, "kvstore_durability": durability,
                    "vllm_version": vllm.__version__},
         "targets": targets(results),

@@ -31,7 +31,7 @@ from kvstore.io.files import RankFiles
 from kvstore.io.health import EIO_LIMIT, EIO_WINDOW_S, DeviceHealth, fence_reason_of
 from kvstore.io.iostats import OP_READ, OP_WRITE
 from kvstore.io.records import SlotRef, ref_slots
-from kvstore.io.rings import DeviceRings
+from kvstore.io.rings import DeviceRings, ring_depth
 from kvstore.io.staging import Staging
 
 __all__ = ["IO_MODES", "VERIFY_MODES", "RankIO", "check_choice", "fence_reason_of"]
@@ -72,7 +72,7 @@ class RankIO:
                  readonly: bool = False, staging: Staging | None = None,
                  missing_ok: bool = False, eio_limit: int = EIO_LIMIT,
                  eio_window_s: float = EIO_WINDOW_S, thread_cpus: frozenset[int] | None = None,
-                 thread_nice: int = 0):
+                 thread_nice: int = 0, inflight_bytes: int = 0):
         check_choice("io_mode", io_mode, IO_MODES)
         if missing_ok and not readonly:
             raise ConfigError("RankIO: missing_ok=True is only for readonly openers (fsck)")
@@ -94,7 +94,8 @@ class RankIO:
         # store); slot s lives on device s % ndev. Each device has its own files and ring.
         self.dirs = device_dirs(store_dir, doc)
         self.ndev = len(self.dirs)
-        self.queue_depth = queue_depth
+        # slots in flight per ring: the queue depth, raised to hold `inflight_bytes`
+        self.queue_depth = ring_depth(geo.slot_size, queue_depth, inflight_bytes)
         self._own_staging = staging is None
         self.staging = None
         self._files = self._rings = self._batches = self._caller = None
@@ -114,7 +115,7 @@ class RankIO:
                                   f"payloads) do not fit this store's {geo.slot_size}-byte slots")
             self.staging = staging
             self.staging_slots = staging.num_slots
-            self._rings = DeviceRings(self._files, staging.buffer, queue_depth, rank=rank,
+            self._rings = DeviceRings(self._files, staging.buffer, self.queue_depth, rank=rank,
                                       thread_cpus=thread_cpus, thread_nice=thread_nice)
             self._batches = Batches(self._files, self._rings, self._health,
                                     payload_len=self.payload_len, direct=self._direct, rank=rank)

@@ -18,6 +18,19 @@ from kvstore.io.files import RankFiles
 # The rank's logger: everything a RankIO logs, whichever of its parts logs it.
 log = logging.getLogger("kvstore.io.rank")
 
+# Bytes each ring keeps in flight at least (docs/CONFIG.md, `inflight_bytes`): a queue depth
+# counted in slots keeps 32 x 132 KiB = 4 MiB in flight with 128 KiB blocks but 256 MiB with
+# 8 MiB ones; the device needs bytes in flight, not requests.
+INFLIGHT_BYTES = 8 << 20
+MAX_DEPTH = 1024
+
+
+def ring_depth(slot_size: int, queue_depth: int, inflight_bytes: int = INFLIGHT_BYTES) -> int:
+    """Slots a ring keeps in flight: `queue_depth`, or more where that many slots hold
+    fewer than `inflight_bytes` bytes (at most MAX_DEPTH); 0 bytes: `queue_depth` alone."""
+    need = -(-inflight_bytes // slot_size) if inflight_bytes > 0 else 0
+    return max(queue_depth, min(MAX_DEPTH, need))
+
 
 class DeviceRings:
     """The rings of a rank's devices (`rings[d]`), their device streams and the thread

@@ -52,4 +52,5 @@ def open_rank_io(cfg: StoreConfig, layout: Layout, rank: int, *,
     return RankIO(cfg.path, rank, layout=layout, io_mode=cfg.io_mode, queue_depth=cfg.queue_depth,
                   staging_bytes=cfg.staging_bytes if staging_bytes is None else staging_bytes,
                   eio_limit=cfg.device_eio_limit, eio_window_s=cfg.device_eio_window_s,
-                  thread_cpus=cfg.thread_cpus, thread_nice=cfg.io_thread_nice)
+                  thread_cpus=cfg.thread_cpus, thread_nice=cfg.io_thread_nice,
+                  inflight_bytes=cfg.inflight_bytes)

@@ -16,10 +16,11 @@ from dataclasses import asdict, dataclass, fields
 
 from kvstore.errors import ConfigError
 from kvstore.format.layout import normalize_data_dirs, parse_size
+from kvstore.io.rings import INFLIGHT_BYTES
 from kvstore.io.threads import io_nice, parse_cpus
 
 # The keys of a store's settings, as the connector and the tier take them.
-STORE_KEYS = ("path", "capacity", "io_mode", "queue_depth", "verify", "durability", "staging",
+STORE_KEYS = ("path", "capacity", "io_mode", "queue_depth", "inflight_bytes", "verify", "durability", "staging",
               "create", "slot_pool", "data_dirs", "device_eio_limit", "device_eio_window_s",
               "thread_cpus", "io_thread_nice", "on_model_change", "remote")
 
@@ -65,6 +66,7 @@ class StoreConfig:
     capacity: int | None = None
     io_mode: str = "direct"
     queue_depth: int = 32
+    inflight_bytes: int = INFLIGHT_BYTES   # bytes each ring keeps in flight at least
     verify: str = "checksum"
     durability: str = "fdatasync"
     staging_bytes: int = 256 << 20
@@ -100,6 +102,7 @@ class StoreConfig:
             capacity=None if capacity is None else parse_size(capacity),
             io_mode=opt.choice("io_mode", "direct", ("direct", "page_cache")),
             queue_depth=opt.integer("queue_depth", 32, 1, 4096),
+            inflight_bytes=_inflight(extra.get("inflight_bytes", INFLIGHT_BYTES), prefix),
             verify=opt.choice("verify", "checksum", ("checksum", "header")),
             durability=opt.choice("durability", "fdatasync", ("fdatasync", "none")),
             staging_bytes=parse_size(extra.get("staging", staging_default)),
@@ -116,6 +119,18 @@ class StoreConfig:
             on_model_change=opt.choice("on_model_change", "reset", ("reset", "refuse")),
             remote=RemoteConfig.parse(extra.get("remote"), prefix),
         )
+
+
+def _inflight(value, prefix: str) -> int:
+    """`inflight_bytes`: bytes (or "8M"), 0 to keep `queue_depth` alone, at most 4 GiB."""
+    try:
+        n = -1 if isinstance(value, bool) else 0 if value in (0, "0") else parse_size(value)
+    except (ConfigError, ValueError, TypeError):
+        n = -1
+    if not 0 <= n <= 4 << 30:
+        raise ConfigError(f'{prefix}: inflight_bytes={value!r} must be a size from 0 to "4G" (bytes '
+                          'each io_uring ring keeps in flight at least, e.g. "8M"; 0: queue_depth alone)')
+    return n
 
 
 REMOTE_KINDS = ("mooncake",)

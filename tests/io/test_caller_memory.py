@@ -280,3 +280,38 @@ def test_careless_payload_arguments_get_clear_errors_and_cpu_tensors_work(rig):
     assert rio.register_memory(torch.from_numpy(b))
     rio.unregister_memory()
     del b
+
+
+def test_queue_depth_is_raised_to_keep_inflight_bytes_in_flight(tmp_path, fd_leak_check):
+    """`inflight_bytes` sizes a ring's depth in bytes: small slots get more of them in
+    flight (never fewer than `queue_depth`, at most MAX_DEPTH), 0 keeps `queue_depth`;
+    the serving configuration's default reaches RankIO, and slots move at that depth."""
+    from kvstore.io.rings import INFLIGHT_BYTES, MAX_DEPTH, ring_depth
+    from kvstore.lookup.opening import open_rank_io
+    from kvstore.store.config import StoreConfig
+    slot = BB + HEADER_SIZE
+    assert ring_depth(slot, 32, 0) == 32
+    assert ring_depth(slot, 32, 1 << 20) == 32              # 32 slots hold more than 1 MiB
+    assert ring_depth(slot, 4, 1 << 20) == -(-(1 << 20) // slot) == 29
+    assert ring_depth(slot, 4, 1 << 30) == MAX_DEPTH
+    assert ring_depth(8 << 20, 32, INFLIGHT_BYTES) == 32    # big slots: the queue depth
+    path = str(tmp_path / "s")
+    DiskStore.create(path, _layout(), 256 * slot).close()
+    rio = RankIO(path, 0, layout=_layout(), queue_depth=4)
+    assert rio.queue_depth == rio.ring.queue_depth == 4
+    rio.close()
+    cfg = StoreConfig(**StoreConfig.store_fields({"path": path}, forward_on_host=True))
+    assert cfg.queue_depth == 32 and cfg.inflight_bytes == INFLIGHT_BYTES
+    with DiskStore(path, _layout()) as st:
+        rio = open_rank_io(cfg, _layout(), 0, staging_bytes=1 << 20)
+        try:
+            want = -(-INFLIGHT_BYTES // slot)
+            assert rio.queue_depth == rio.ring.queue_depth == want > 32
+            m, a = _rows(min(250, want * 2 + 3))     # more than a full queue
+            ks, refs = _stored(st, rio, a)
+            m2, b = _rows(len(a), seed=5)
+            assert rio.read_into(refs, b) == [None] * len(a)
+            assert np.array_equal(a, b)
+            del a, b
+        finally:
+            rio.close()

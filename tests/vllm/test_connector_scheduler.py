@@ -386,6 +386,8 @@ def test_plugin_registers_connector_by_name_idempotently(tmp_path):
     ({"path": ""}, ['"path"']),
     ({"path": "/x", "store_policy": "always"}, ["store_policy", "eager", "lazy"]),
     ({"path": "/x", "queue_depth": 0}, ["queue_depth", "1..4096"]),
+    ({"path": "/x", "inflight_bytes": "lots"}, ["inflight_bytes", "'lots'", '"8M"', "queue_depth alone"]),
+    ({"path": "/x", "inflight_bytes": "8G"}, ["inflight_bytes", '"4G"']),
     ({"path": "/x", "load_timeout_s": -1}, ["load_timeout_s", "positive"]),
     ({"path": "/x", "capacity": "lots"}, ["lots"]),
     ({"path": "/x", "device_eio_window_s": float("nan")}, ["device_eio_window_s", "positive"]),
@@ -400,7 +402,7 @@ def test_plugin_registers_connector_by_name_idempotently(tmp_path):
     ({"path": "/x", "io_thread_nice": 20}, ["io_thread_nice", "0..19"]),
     ({"path": "/x", "io_thread_nice": True}, ["io_thread_nice", "0..19"]),
 ], ids=["io_mode", "unknown-key", "missing-path", "empty-path", "store_policy",
-        "queue_depth", "load_timeout_s", "capacity", "eio_window_nan", "eio_limit",
+        "queue_depth", "inflight_bytes", "inflight_too_big", "load_timeout_s", "capacity", "eio_window_nan", "eio_limit",
         "cpus_syntax", "cpus_backwards", "cpus_bool", "cpus_negative", "cpus_empty", "cpus_not_allowed",
         "nice_range", "nice_bool"])
 def test_config_validation_names_the_key(extra, words):
