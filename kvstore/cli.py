@@ -688,8 +688,9 @@ def demo(store, capacity, model, python, documents, doc_tokens, sessions, concur
          as_json):
     """Serve chats + shared documents with a real `vllm serve`, restart it, replay: hits from disk.
 
-    On vLLM's CPU build each server runs with VLLM_CPU_NUM_OF_RESERVED_CPU=1 (unless the
-    environment sets it), as the connector advises: the forward keeps all cores but one."""
+    On vLLM's CPU build each server gets the core reservation that measured fastest for
+    the model (VLLM_CPU_NUM_OF_RESERVED_CPU: 0 on a host of 2 cores or fewer, where the
+    forward is the work; else 1), unless the environment sets it."""
     if simulated:
         from kvstore.drivers import demo_simulated as sim
         try:

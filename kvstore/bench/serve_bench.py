@@ -20,9 +20,10 @@ cache plus the kvstore connector), `ceiling` (vLLM alone with a KV cache that ho
 workload whole), and the OffloadingConnector's disk paths: a CPU primary tier with vLLM's
 `fs` tier behind it (`offload-fs`) or kvstore's `KVStoreTier` (`kvstore-tier`), on vLLM's CPU
 build through `kvstore.vllm.cpu_offload.CPUTieringOffloadingSpec`. A system that does not
-start on this engine is listed with its error. On the CPU build every server gets vLLM
-alone's core binding (VLLM_CPU_NUM_OF_RESERVED_CPU=1, see `kvstore.vllm.connector.
-cpu_reservation_advice`), unless the caller's environment sets it.
+start on this engine is listed with its error. On the CPU build every server gets the same
+core binding, `kvstore.drivers.server.advised_reservation` for the model and host
+(VLLM_CPU_NUM_OF_RESERVED_CPU=0 for the demo model on 2 cores, 1 for the tiny one),
+unless the caller's environment sets it.
 
 Phases: `cold` (a new server, an empty store), `warm` (the same traffic again on that
 server), `restart` (a new server on the same store; run for systems that keep a cache across
@@ -236,9 +237,10 @@ class Bench:
             # behind; the bench removes it (`close`). The same id across a restart.
             kv = {**kv, "engine_id": self.engine_ids.setdefault(
                 json.dumps(kv, sort_keys=True), f"kvstore-bench-serve-{uuid.uuid4().hex[:12]}")}
-        # Every system gets vLLM alone's binding, so the bench compares the connectors, not
-        # the bindings (`advised_binding_env`).
-        env = advised_binding_env(self.engine)
+        # Every system gets the same binding, the one that measured fastest for this model
+        # on this host (`advised_reservation`), so the bench compares the connectors, not
+        # the bindings.
+        env = advised_binding_env(self.engine, params=self.spec.approx_params())
         return VLLMServer(model=self.model_dir, python=self.python, kv_transfer_config=kv, dtype=self.dtype,
                           log_path=os.path.join(self.workdir, f"server-{self.n_server}.log"),
                           max_model_len=self.max_model_len, kv_cache_gib=gib, env=env,

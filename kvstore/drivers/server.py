@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import KVStoreError, MissingDependency
+from kvstore.io.threads import usable_cpus
 
 REPO_ENGINE_VENV = Path(__file__).resolve().parents[2] / ".venv-engine"
 
@@ -64,16 +65,34 @@ def _python_can_serve(python: str) -> tuple[bool, str]:
     return False, "no vLLM installed"
 
 
-def advised_binding_env(engine: str, ranks: int = 1) -> dict[str, str]:
-    """The server environment the kvstore connector advises on vLLM's CPU build
-    (`kvstore.vllm.connector.cpu_reservation_advice`): one reserved core per rank, as vLLM
-    alone binds. The build otherwise reserves one more per rank for any KV connector
-    (NIXL's threads), which on a small host leaves the engine core none, and its busy
-    loop then preempts the forward. Empty on other engines, or where the caller's
-    environment already chose the reservation."""
+# Below this many parameters a forward is shorter than the engine core's own work per step
+# (the 1M-parameter test models), and the engine core wants a core of its own.
+LIGHT_FORWARD_PARAMS = 50_000_000
+
+
+def advised_reservation(cores: int, ranks: int = 1, params: int | None = None) -> int:
+    """VLLM_CPU_NUM_OF_RESERVED_CPU for vLLM's CPU build, as measured (docs/benchmarks.md,
+    `kvstore bench serve --rounds 3` on 2 cores, reserved 0 against 1): where a rank has 2
+    cores or fewer and its forward is the work (a real model: 176M parameters and up), none
+    (0: the forward's OpenMP threads on every core, the engine core sharing them: 1.5-1.8x
+    the requests/s of 1, with kvstore and without); otherwise one per rank, vLLM alone's
+    own default (a test-size model of 1M parameters ran at 0.3-1.0x with 0; with more cores
+    per rank one core is a small share of the forward's and the engine core keeps it)."""
+    heavy = params is None or params >= LIGHT_FORWARD_PARAMS
+    return 0 if heavy and cores <= 2 * ranks else ranks
+
+
+def advised_binding_env(engine: str, ranks: int = 1, params: int | None = None) -> dict[str, str]:
+    """The server environment kvstore's drivers give vLLM's CPU build: the reservation of
+    `advised_reservation` for this host's usable cores (`params`: the model's parameters;
+    None: a real model). Without one the build reserves one core per rank and one more per
+    rank for any KV connector (NIXL's threads), which on a small host leaves the engine core
+    none, and its busy loop then preempts the forward (`kvstore.vllm.connector.
+    cpu_reservation_advice`). Empty on other engines, or where the caller's environment
+    already chose the reservation."""
     if "CPU build" not in engine or "VLLM_CPU_NUM_OF_RESERVED_CPU" in os.environ:
         return {}
-    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(ranks)}
+    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(advised_reservation(len(usable_cpus()), ranks, params))}
 
 
 def engine_python(explicit: str | None = None) -> tuple[str, str]:
