@@ -140,7 +140,13 @@ class RemoteClient:
     def _write_loop(self) -> None:
         self._start()
         while True:
-            msg = self._q.get()
+            wait = None     # a running agent: block until there is something to send
+            if not self._alive:     # a dead one: wake when its back-off ends, asked or not
+                wait = max(0.0, self._started_at + self.RESTART_S - time.monotonic())
+            try:
+                msg = self._q.get(timeout=wait)
+            except queue.Empty:
+                msg = ("noop",)
             if msg[0] == "close":
                 break
             if not self._alive:

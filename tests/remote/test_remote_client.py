@@ -68,6 +68,24 @@ def test_agent_process_fills_and_publishes_and_restarts_after_a_kill(fleet_pool,
     assert ca.fds() == [] and cb.fds() == []
 
 
+def test_a_killed_agent_comes_back_after_its_back_off_with_nothing_asked(fleet_pool, tmp_path):
+    """The restart does not wait for the engine to ask: an idle engine's agent comes back
+    once `RESTART_S` has passed since its last start, even when it died sooner."""
+    make_store(tmp_path / "B").close()
+    c = RemoteClient(str(tmp_path / "B"), RemoteConfig.parse(fleet_pool.remote_config()))
+    try:
+        _until(lambda: c.alive)
+        c.RESTART_S = 3.0       # longer than the start took: the death falls inside it
+        pid = c._proc.pid
+        os.kill(pid, signal.SIGKILL)
+        _until(lambda: c.down)
+        _until(lambda: c.alive and c._proc.pid != pid, timeout=30)
+        assert c.stats()["agent_starts"] == 2
+    finally:
+        c.close()
+    assert c.fds() == []
+
+
 def test_agent_that_cannot_open_the_store_says_why(fleet_pool, tmp_path):
     c = RemoteClient(str(tmp_path / "no-such-store"), RemoteConfig.parse(fleet_pool.remote_config()))
     try:
