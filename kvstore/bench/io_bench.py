@@ -160,8 +160,15 @@ class OneThread:
         os.unlink(self.path)
 
 
+# Registered buffers and files, as kvstore's rings use them: without them the kernel pins
+# every I/O's pages, and on this VM fio read 2 MiB blocks at QD 32 at ~1.7 GB/s instead of
+# ~2.4 (docs/benchmarks.md).
+FIO_REGISTERED = ("--fixedbufs", "--registerfiles")
+
+
 class Fio:
-    """fio, io_uring engine, one job, same block size / depth / size / O_DIRECT."""
+    """fio, io_uring engine, one job, same block size / depth / size / O_DIRECT, with
+    registered buffers and files (`FIO_REGISTERED`)."""
 
     name = "fio"
 
@@ -170,8 +177,9 @@ class Fio:
             raise MissingDependency("fio is not installed (Debian: apt-get install fio); `make` installs it")
         self.path = os.path.join(directory, "fio-bench.dat")
         self.args = [f"--filename={self.path}", f"--size={size}", f"--bs={block}",
-                     f"--iodepth={qd}", "--ioengine=io_uring", f"--direct={1 if direct else 0}",
-                     "--numjobs=1", "--output-format=json", "--fallocate=native"]
+                     f"--iodepth={qd}", "--ioengine=io_uring", *FIO_REGISTERED,
+                     f"--direct={1 if direct else 0}", "--numjobs=1", "--output-format=json",
+                     "--fallocate=native"]
 
     def _run(self, rw):
         out = subprocess.run(["fio", f"--name={rw}", f"--rw={rw}", *self.args,
@@ -369,11 +377,8 @@ class MultiDirFio:
             raise MissingDependency("fio is not installed (Debian: apt-get install fio); `make` installs it")
         per = size // len(dirs) // block * block
         self.paths = [os.path.join(d, "fio-bench.dat") for d in dirs]
-        # Registered buffers and files, as kvstore's rings use them: without them the
-        # kernel pins every I/O's pages, and on this VM fio read 2 MiB blocks at QD 32 at
-        # ~1.7 GB/s instead of ~2.4 (docs/benchmarks.md).
         self.common = [f"--size={per}", f"--bs={block}", f"--iodepth={qd}", "--ioengine=io_uring",
-                       "--fixedbufs", "--registerfiles",
+                       *FIO_REGISTERED,
                        f"--direct={1 if direct else 0}", "--numjobs=1", "--fallocate=native"]
         self.dev_bytes = [0] * len(dirs)
         self.dev_gbps = {}

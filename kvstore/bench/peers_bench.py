@@ -23,8 +23,8 @@ with the page cache dropped before every read phase, it measures for each system
   job, run by one pool thread), and lookups through the tier's own batch_lookup.
 - one_thread: blocking pwritev/preadv from one thread, one block at a time (the pattern of
   vLLM's SimpleCPUOffload disk mode); io_bench.OneThread for the bulk phases.
-- fio: io_uring, one job, same block size and depth (the device's practical limit),
-  sequential at the block size.
+- fio: io_uring, one job, same block size and depth, registered buffers and files as
+  kvstore's rings (the device's practical limit), sequential at the block size.
 - fio_slots: the same with kvstore's own access pattern: block = a slot (the block and its
   4096-byte header), as many slots in flight as kvstore's ring, in the order kvstore's store
   places them (slot after slot); GB/s of block payload, as kvstore's figures. kvstore is

@@ -33,8 +33,8 @@ the same heads over fewer layers (4 KiB per layer and token: 128 KiB is 2 layers
 - call p99: the scheduler-thread time of each tier method call (lookup, submit_store,
   submit_load, get_finished_jobs, take_events, touch, on_schedule_end, ...), p99 over
   both phases; the whole manager call's p99 is given next to it (`manager_call_p99_us`);
-- fio: io_uring, one job, O_DIRECT, queue depth 32, block = chunk bytes, `--size` written
-  then read (the device's practical limit);
+- fio: io_uring, one job, O_DIRECT, registered buffers and files, queue depth 32, block =
+  chunk bytes, `--size` written then read (the device's practical limit);
 - fio-slots: the same with kvstore's own access pattern: block = a slot (the chunk and
   its 4096-byte header), the same number of slots in flight as kvstore's rings
   (`--queue-depth`, raised to hold the store's default `inflight_bytes`; `ring_depth` in
