@@ -181,9 +181,9 @@ class Fio:
                      f"--direct={1 if direct else 0}", "--numjobs=1", "--output-format=json",
                      "--fallocate=native"]
 
-    def _run(self, rw):
+    def _run(self, rw, extra=()):
         out = subprocess.run(["fio", f"--name={rw}", f"--rw={rw}", *self.args,
-                              *(["--end_fsync=1"] if rw == "write" else [])],
+                              *(["--end_fsync=1"] if rw == "write" else []), *extra],
                              capture_output=True, text=True, check=True)
         self.job = job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
         part = job["write" if rw == "write" else "read"]
@@ -194,8 +194,12 @@ class Fio:
     def write(self):
         return self._run("write")
 
-    def read(self):
-        return self._run("read")
+    def read(self, offset: int = 0, size: int | None = None):
+        """Read the file, or `size` bytes of it from `offset` (what was written last, when
+        the system it is set beside reads back only that)."""
+        if size is None:
+            return self._run("read")
+        return self._run("read", (f"--offset={offset}", f"--size={size}"))
 
     def close(self):
         if os.path.exists(self.path):

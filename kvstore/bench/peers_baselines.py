@@ -157,8 +157,8 @@ class FioCPU(Fio):
         super().__init__(*a)
         self.cpu_s = 0.0
 
-    def _run(self, rw):
-        rate = super()._run(rw)
+    def _run(self, rw, extra=()):
+        rate = super()._run(rw, extra)
         job = self.job
         self.cpu_s += (job["usr_cpu"] + job["sys_cpu"]) / 100.0 * job["job_runtime"] / 1000.0
         return rate

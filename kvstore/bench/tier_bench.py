@@ -34,7 +34,8 @@ the same heads over fewer layers (4 KiB per layer and token: 128 KiB is 2 layers
   submit_load, get_finished_jobs, take_events, touch, on_schedule_end, ...), p99 over
   both phases; the whole manager call's p99 is given next to it (`manager_call_p99_us`);
 - fio: io_uring, one job, O_DIRECT, registered buffers and files, queue depth 32, block =
-  chunk bytes, `--size` written then read (the device's practical limit);
+  chunk bytes, `--size` written, then the last `--primary` bytes of it read (the bytes a
+  load phase promotes; the device's practical limit);
 - fio-slots: the same with kvstore's own access pattern: block = a slot (the chunk and
   its 4096-byte header), the same number of slots in flight as kvstore's rings
   (`--queue-depth`, raised to hold the store's default `inflight_bytes`; `ring_depth` in
@@ -343,24 +344,28 @@ class TierRun:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _fio(directory: str, size: int, block: int, qd: int) -> dict:
+def _fio(directory: str, nblocks: int, nload: int, block: int, qd: int) -> dict:
+    """fio writes `nblocks` blocks, then reads back the last `nload` of them: the tier's
+    load phase promotes the most recent chunks, and a read of another length would
+    compare unlike runs (a short one pays its ramp, a long one averages the device's
+    slow and fast stretches)."""
     from kvstore.bench.peers_bench import FioCPU
-    f = FioCPU(directory, size, block, qd, True)
+    f = FioCPU(directory, nblocks * block, block, qd, True)
     try:
         w = f.write()
         drop_page_cache()
-        r = f.read()
+        r = f.read(offset=(nblocks - nload) * block, size=nload * block)
     finally:
         f.close()
     return {"store_gbps": w / 1e9, "load_gbps": r / 1e9}
 
 
-def _fio_slots(directory: str, nchunks: int, chunk: int, qd: int) -> dict:
-    """fio over `nchunks` kvstore slots (the chunk and its header) with as many slots in
-    flight as the tier's rings keep (`qd`, raised to hold `inflight_bytes`); rates in GB/s
-    of chunk payload."""
+def _fio_slots(directory: str, nchunks: int, nload: int, chunk: int, qd: int) -> dict:
+    """`_fio` over kvstore slots (the chunk and its header) with as many slots in flight
+    as the tier's rings keep (`qd`, raised to hold `inflight_bytes`); rates in GB/s of
+    chunk payload."""
     slot = chunk + HEADER_SIZE
-    r = _fio(directory, nchunks * slot, slot, ring_depth(slot, qd, INFLIGHT_BYTES))
+    r = _fio(directory, nchunks, nload, slot, ring_depth(slot, qd, INFLIGHT_BYTES))
     return {k: v * chunk / slot for k, v in r.items()}
 
 
@@ -400,11 +405,14 @@ def run(directory: str | None = None, chunk_sizes=DEFAULT_CHUNKS, size="1G", cap
             for rnd in range(rounds):
                 for s in systems:
                     log(f"{tokens}-token chunks ({format_size(chunk)}), round {rnd + 1}/{rounds}: {s}")
+                    # the chunks a load phase promotes: what the primary holds
+                    nload = min(primary_b // chunk, nchunks)
                     if s == "fio":
-                        samples[s].append(_fio(directory, nchunks * chunk, chunk, queue_depth))
+                        samples[s].append(_fio(directory, nchunks, nload, chunk, queue_depth))
                         continue
                     if s == "fio-slots":
-                        samples[s].append(_fio_slots(directory, nchunks, chunk, queue_depth))
+                        samples[s].append(_fio_slots(directory, nchunks, nload, chunk,
+                                                     queue_depth))
                         continue
                     run_ = TierRun(s, directory, tokens, primary_b, capacity_b, queue_depth,
                                    durability, layers)
