@@ -152,6 +152,31 @@ def bench_io(directory, size, block_size, queue_depth, page_cache, rounds, as_js
     click.echo(json.dumps(out, indent=2) if as_json else io_bench.format_table(out))
 
 
+@bench.command("warmup")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="Directory on the device (both stores and fio's files). Default: a "
+                   "temporary directory under /var/tmp.")
+@click.option("--block-sizes", default="128K,2M", show_default=True,
+              help="Comma-separated bytes per block.")
+@click.option("--size", default="1G", show_default=True, help="Bytes of blocks copied per round.")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, 50),
+              help="Alternating rounds; medians are reported.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of the table.")
+def bench_warmup(directory, block_sizes, size, rounds, as_json):
+    """`kvstore warmup --from-store --all` (a store copied) vs fio reading then writing the
+    same slots."""
+    from kvstore.bench import warmup_bench
+    sizes = tuple(x.strip() for x in block_sizes.split(",") if x.strip())
+    if not sizes:
+        _fail(KVStoreError("--block-sizes: give comma-separated sizes, e.g. 128K,2M"))
+    try:
+        out = warmup_bench.run(directory, sizes, size, rounds,
+                               log=None if as_json else (lambda m: click.echo(m, err=True)))
+    except (KVStoreError, OSError) as exc:
+        _fail(exc)
+    click.echo(json.dumps(out, indent=2) if as_json else warmup_bench.format_table(out))
+
+
 @bench.command("index")
 @click.option("--entries", default="100000,1000000,10000000", show_default=True,
               help="Comma-separated index sizes.")
@@ -335,8 +360,8 @@ def fsck_cmd(store, deep, repair, rebuild_index, as_json, quiet, queue_depth, st
 @click.option("--dry-run", is_flag=True, help="Say what would be written; write nothing (no lock).")
 @click.option("--allow-evict-hotter", is_flag=True,
               help="When the store is full, evict existing entries (LRU first) to make room.")
-@click.option("--chunk-blocks", default=64, show_default=True, type=click.IntRange(1, 1 << 20),
-              help="Blocks copied per batch.")
+@click.option("--chunk-blocks", default=None, type=click.IntRange(1, 1 << 20),
+              help="Blocks copied per batch (default: 64 MiB of blocks).")
 @click.option("--connector-config", default=None,
               help="With --model: JSON merged into the connector's kv_connector_extra_config.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")

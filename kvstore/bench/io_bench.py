@@ -237,7 +237,8 @@ class MultiDirKVStore:
         staging = min(staging, max(2, self.nblocks) * block)
         self.st = DiskStore.create(self.store, layout, self.nblocks * block, data_dirs=self.data, io=True,
                                    io_mode="direct" if direct else "page_cache", queue_depth=qd,
-                                   staging_bytes=staging)
+                                   staging_bytes=staging,
+                                   inflight_bytes=0)    # fio's depth: `qd` slots, whatever their size
         self.rio = self.st.ranks[0]
         self.refs = [SlotRef(b"bench%08d" % i, i, 1) for i in range(self.nblocks)]
         rng = np.random.default_rng(1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import mmap
 import os
 from collections import Counter
 from typing import Callable, Iterable, Sequence
@@ -38,6 +39,7 @@ from kvstore.format.layout import (
 from kvstore.io.iostats import create_iostats
 from kvstore.io.paths import rank_dir, slot_file_path  # noqa: F401  (public here too)
 from kvstore.io.rank import IO_MODES, RankIO, check_choice
+from kvstore.io.rings import INFLIGHT_BYTES
 from kvstore.io.records import SlotRef  # noqa: F401  (public here too)
 from kvstore.io.datadirs import (  # noqa: F401  (probe_data_dir and DATA_MARKER are public here too)
     DATA_MARKER, check_data_dir, check_dir, check_distinct_dirs, check_free_space, claim_data_dir,
@@ -134,8 +136,9 @@ class DiskStore:
     (`kvstore.store.shared`: a shared flock on LOCK and a lease each; `exclusive=True` is an
     offline repair's open, refused while any engine is attached) and any number of
     `readonly=True` openers. With `io=True` the store also opens a RankIO per rank so
-    that `put`/`get` work (tools, tests, benchmarks); the vLLM scheduler uses io=False and
-    its workers use RankIO directly.
+    that `put`/`get` work (tools, tests, benchmarks), each ring `queue_depth` slots deep,
+    deeper for small slots until `inflight_bytes` are in flight (`kvstore.io.rings`); the
+    vLLM scheduler uses io=False and its workers use RankIO directly.
 
     Pins are in memory (a Counter of slot -> pin count): eviction never takes a pinned
     slot, and pins die with the process, as they must.
@@ -144,7 +147,8 @@ class DiskStore:
     def __init__(self, path: str, layout: Layout | None = None, *, readonly: bool = False,
                  io: bool = False, io_mode: str = "direct", queue_depth: int = 32,
                  staging_bytes: int = 64 << 20, sync: bool = True, data_dirs=None,
-                 exclusive: bool = False, kind: str = "engine"):
+                 exclusive: bool = False, kind: str = "engine",
+                 inflight_bytes: int = INFLIGHT_BYTES):
         check_choice("io_mode", io_mode, IO_MODES)
         self.path = os.path.abspath(path)
         self.readonly = readonly
@@ -186,7 +190,8 @@ class DiskStore:
             if io:
                 for r in range(self.layout.tp_size):
                     self.ranks.append(RankIO(self.path, r, io_mode=io_mode, queue_depth=queue_depth,
-                                             staging_bytes=staging_bytes, readonly=readonly))
+                                             staging_bytes=staging_bytes, readonly=readonly,
+                                             inflight_bytes=inflight_bytes))
         except BaseException:
             self.close()
             raise
@@ -348,6 +353,11 @@ class DiskStore:
     def lookup(self, key: bytes) -> Entry | None:
         return self._idx().lookup(key)
 
+    def present(self, keys: Sequence[bytes]) -> dict[bytes, int]:
+        """{key: slot} for each of `keys` the index holds: one read transaction (a lookup
+        per key costs a transaction each, tens of microseconds)."""
+        return {k: s for k, s, _ in self._idx().get_many(keys)}
+
     def pin(self, slots: Iterable[int]) -> None:
         """Protect slots from eviction until unpinned (counted: pin twice, unpin twice).
         Attached to a shared store, the pins are in this engine's lease too, where the
@@ -433,14 +443,23 @@ class DiskStore:
             raise KVStoreError("this DiskStore was opened without io=True; no data path")
         return self.ranks
 
-    def put(self, keys: Sequence[bytes], payloads: Callable[[int, int], np.ndarray | bytes]) -> list[bytes]:
-        """Store blocks: payloads(i, rank) gives key i's bytes for that rank. Returns keys stored.
+    def put(self, keys: Sequence[bytes],
+            payloads: Callable[[int, int], np.ndarray | bytes] | None = None, *,
+            rows: Sequence[np.ndarray] | None = None) -> list[bytes]:
+        """Store blocks; returns the keys stored. Their bytes come from `payloads(i, rank)`
+        (key i's bytes for that rank, copied into staging), or from `rows` without a copy:
+        one 2-D array per rank, `rows[rank][i]` holding key i's payload, rows 4096-aligned
+        (O_DIRECT) and a multiple of 4096 bytes wide (`row_buffers` makes such arrays).
 
         Keys already present are skipped. Reserve -> write every rank -> fdatasync -> commit;
         a block whose write failed on any rank is aborted, never committed.
         """
+        if (payloads is None) == (rows is None):
+            raise TypeError("DiskStore.put: give payloads or rows")
         idx = self.writable_index()
-        new = [k for k in dict.fromkeys(keys) if idx.lookup(k) is None]
+        uniq = list(dict.fromkeys(keys))
+        have = {k for k, _, _ in idx.get_many(uniq)}
+        new = [k for k in uniq if k not in have]
         if not new:
             return []
         refs, _ = self.reserve(new)
@@ -448,10 +467,15 @@ class DiskStore:
         pos = {k: i for i, k in enumerate(keys)}
         try:
             for rio in self._rank_io():
-                def fill(start, stop, views, rank=rio.rank):
-                    for j, v in enumerate(views):
-                        v[:] = np.frombuffer(payloads(pos[refs[start + j].key], rank), dtype=np.uint8)
-                errs = rio.write_blocks(refs, fill)
+                if rows is not None:
+                    errs = rio.write_at(refs, _row_addrs(rows[rio.rank],
+                                                         [pos[r.key] for r in refs]))
+                else:
+                    def fill(start, stop, views, rank=rio.rank):
+                        for j, v in enumerate(views):
+                            v[:] = np.frombuffer(payloads(pos[refs[start + j].key], rank),
+                                                 dtype=np.uint8)
+                    errs = rio.write_blocks(refs, fill)
                 failed.update(i for i, e in enumerate(errs) if e is not None)
         except BaseException:
             self.abort(refs)
@@ -471,47 +495,76 @@ class DiskStore:
         block after it, since a prefix stops at its first hole). `count=False`: the read
         is not a hit or miss in the store's counters (the fleet agent's publishing).
         """
+        out: dict[bytes, list] = {}
+
+        def read(rio, refs):
+            for r in refs:
+                out.setdefault(r.key, [])
+
+            def drain(start, stop, views, errors):
+                for j, v in enumerate(views):
+                    if errors[j] is None:
+                        out[refs[start + j].key].append(bytes(v))
+            return rio.read_blocks(refs, drain, verify=verify)
+        got = self._read_prefix(keys, read, rank, touch, count)
+        return {k: out.get(k, []) for k in got}
+
+    def get_into(self, keys: Sequence[bytes], rows: Sequence[np.ndarray], *,
+                 verify: str = "checksum", touch: bool = True, count: bool = True) -> list[bytes]:
+        """`get` without a copy: the longest cached prefix of `keys` read straight into
+        `rows` (as for `put`: `rows[rank][i]` receives keys[i]'s payload); returns the keys
+        of that prefix whose rows hold verified bytes (every rank's)."""
+        def read(rio, refs):
+            return rio.read_at(refs, _row_addrs(rows[rio.rank], range(len(refs))), verify=verify)
+        return self._read_prefix(keys, read, None, touch, count)
+
+    def _read_prefix(self, keys, read, rank, touch, count) -> list[bytes]:
+        """The reads of `get` and `get_into`: the prefix of `keys` the index holds, pinned
+        while `read(rio, refs)` reads it on every rank (or `rank`); the keys before the first
+        block that failed on any rank. A failed block leaves the index."""
         entries = self.longest_prefix(keys)
+        if entries:
+            self.pin(e.slot for e in entries)
+            kept = self._still_standing(entries)
+            if len(kept) < len(entries):
+                self.unpin(e.slot for e in entries[len(kept):])
+                entries = kept
         if not entries:
             if count:
                 self.count_hits(0, 1)
-            return {}
-        self.pin(e.slot for e in entries)
-        kept = self._still_standing(entries)
-        if len(kept) < len(entries):
-            self.unpin(e.slot for e in entries[len(kept):])
-            entries = kept
-            if not entries:
-                if count:
-                    self.count_hits(0, 1)
-                return {}
+            return []
         refs = [SlotRef(e.key, e.slot, e.generation) for e in entries]
-        out: dict[bytes, list] = {r.key: [] for r in refs}
         bad: set[int] = set()
         try:
             for rio in self._rank_io():
-                if rank is not None and rio.rank != rank:
-                    continue
-
-                def drain(start, stop, views, errors):
-                    for j, v in enumerate(views):
-                        if errors[j] is None:
-                            out[refs[start + j].key].append(bytes(v))
-                errs = rio.read_blocks(refs, drain, verify=verify)
-                bad.update(i for i, e in enumerate(errs) if e is not None)
+                if rank is None or rio.rank == rank:
+                    errs = read(rio, refs)
+                    bad.update(i for i, e in enumerate(errs) if e is not None)
         finally:
             self.unpin(r.slot for r in refs)
-        if bad:
-            first = min(bad)
-            if not self.readonly:
-                self.drop([refs[i].key for i in sorted(bad)])
-            for r in refs[first:]:
-                out.pop(r.key, None)
-        if touch and out and not self.readonly:
-            self.touch(list(out))
+        good = [r.key for r in refs[:min(bad) if bad else len(refs)]]
+        if bad and not self.readonly:
+            self.drop([refs[i].key for i in sorted(bad)])
+        if touch and good and not self.readonly:
+            self.touch(good)
         if count:
-            self.count_hits(len(out), 0 if len(out) == len(keys) else 1)
-        return out
+            self.count_hits(len(good), 0 if len(good) == len(keys) else 1)
+        return good
+
+
+def row_buffers(layout: Layout, n: int) -> list[np.ndarray]:
+    """One array per rank of `n` rows, each row one block's payload (rounded up to 4096
+    bytes), page-aligned: what `DiskStore.put(rows=)` and `get_into` move blocks to and
+    from without a copy, and what `RankIO.register_memory` can register."""
+    width = -(-layout.block_bytes // 4096) * 4096
+    return [np.frombuffer(mmap.mmap(-1, n * width), dtype=np.uint8).reshape(n, width)
+            for _ in range(layout.tp_size)]
+
+
+def _row_addrs(arr: np.ndarray, idx) -> np.ndarray:
+    """Addresses of rows `idx` of the 2-D array `arr`."""
+    base = arr.__array_interface__["data"][0]
+    return np.uint64(base) + np.asarray(list(idx), dtype=np.uint64) * np.uint64(arr.strides[0])
 
 
 ON_MODEL_CHANGE = ("reset", "refuse")

@@ -109,7 +109,8 @@ def test_store_over_three_devices_round_trips_and_reads_every_device(tmp_path, d
 def test_devices_serve_in_parallel_with_their_own_queues(tmp_path, disks):
     """A batch is split by device and every device's part is in flight on its own ring
     at once (each at its own queue depth)."""
-    with _create(tmp_path, disks, nslots=60, layout=LAYOUT1, queue_depth=4) as st:
+    with _create(tmp_path, disks, nslots=60, layout=LAYOUT1, queue_depth=4,
+                 inflight_bytes=0) as st:     # the depth in slots alone
         rio = st.ranks[0]
         assert [r.queue_depth for r in rio.rings] == [4, 4, 4]
         seen = {}

@@ -66,6 +66,35 @@ def test_put_get_round_trip_all_ranks(store):
     check_invariants(store)
 
 
+def test_rows_round_trip_without_copies_and_a_bad_block_ends_the_prefix(store):
+    """`put(rows=)` writes every rank's row i as key i; `get_into` reads the cached prefix
+    back into rows, stops at a damaged block and drops it, as `get` does."""
+    from kvstore.store.disk import row_buffers
+    ks = keys(8)
+    src = row_buffers(LAYOUT, len(ks))
+    assert [r.shape for r in src] == [(8, BB)] * 2 and all(r.ctypes.data % 4096 == 0 for r in src)
+    for i in range(len(ks)):
+        for rank in (0, 1):
+            src[rank][i] = payload(i, rank)
+    assert store.put(ks[:5], rows=[r[:5] for r in src]) == ks[:5]
+    assert store.put(ks[5:], rows=[r[5:] for r in src]) == ks[5:]
+    dst = row_buffers(LAYOUT, len(ks))
+    assert store.get_into(ks, dst) == ks
+    assert all(np.array_equal(dst[r], src[r]) for r in (0, 1))
+    # a payload bit flip in block 3 (rank 1): the prefix ends before it, and it leaves
+    e3 = store.lookup(ks[3])
+    geo = store.geometry
+    fd = os.open(slot_file_path(store.path, 1, 0), os.O_RDWR)
+    off = (e3.slot % geo.slots_per_file) * geo.slot_size + 4096 + 7
+    os.pwrite(fd, bytes([os.pread(fd, 1, off)[0] ^ 0x04]), off)
+    os.close(fd)
+    assert store.get_into(ks, row_buffers(LAYOUT, len(ks))) == ks[:3]
+    assert store.lookup(ks[3]) is None and store.get(ks[:3]).keys() == set(ks[:3])
+    with pytest.raises(TypeError, match="payloads or rows"):
+        store.put(ks, payload, rows=src)
+    check_invariants(store)
+
+
 def test_longest_prefix_with_holes(store):
     ks = keys(10)
     store.put(ks[:4] + ks[5:], lambda i, r: payload(i, r))
