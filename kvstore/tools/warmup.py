@@ -226,8 +226,8 @@ class Summary:
 
 # Bytes of blocks (every rank's) copied per part by default: a part is read, then written,
 # fdatasynced and committed, and the rings ramp up and drain at its ends. Sized in bytes so
-# that small blocks fill the rings as large ones do: 128 KiB blocks copied 1 GiB at
-# 0.52-0.63 GB/s in parts of 64 blocks (8 MiB) and at 0.71-0.72 in parts of 64 MiB.
+# that small blocks fill the rings as large ones do: a copy of 1 GiB of 128 KiB blocks ran
+# at 0.60-0.79 GB/s in parts of 64 blocks (8 MiB) and at 0.77-0.80 in parts of 64 MiB.
 PART_BYTES = 64 << 20
 
 
