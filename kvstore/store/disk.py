@@ -456,6 +456,8 @@ class DiskStore:
         """
         if (payloads is None) == (rows is None):
             raise TypeError("DiskStore.put: give payloads or rows")
+        if rows is not None:
+            _check_rows(rows, self.layout, len(keys), writable=False)
         idx = self.writable_index()
         uniq = list(dict.fromkeys(keys))
         have = {k for k, _, _ in idx.get_many(uniq)}
@@ -514,6 +516,8 @@ class DiskStore:
         """`get` without a copy: the longest cached prefix of `keys` read straight into
         `rows` (as for `put`: `rows[rank][i]` receives keys[i]'s payload); returns the keys
         of that prefix whose rows hold verified bytes (every rank's)."""
+        _check_rows(rows, self.layout, len(keys), writable=True)
+
         def read(rio, refs):
             return rio.read_at(refs, _row_addrs(rows[rio.rank], range(len(refs))), verify=verify)
         return self._read_prefix(keys, read, None, touch, count)
@@ -559,6 +563,22 @@ def row_buffers(layout: Layout, n: int) -> list[np.ndarray]:
     width = -(-layout.block_bytes // 4096) * 4096
     return [np.frombuffer(mmap.mmap(-1, n * width), dtype=np.uint8).reshape(n, width)
             for _ in range(layout.tp_size)]
+
+
+def _check_rows(rows, layout: Layout, n: int, *, writable: bool) -> None:
+    """Refuse `rows` that cannot take `n` blocks of every rank (the ring writes a whole
+    row at each address it is given, so a short array would be overrun)."""
+    width = -(-layout.block_bytes // 4096) * 4096
+    if len(rows) != layout.tp_size:
+        raise ValueError(f"rows: one array per rank ({layout.tp_size}), got {len(rows)}")
+    for r, a in enumerate(rows):
+        if not isinstance(a, np.ndarray) or a.ndim != 2 or a.dtype != np.uint8 \
+                or a.strides[1] != 1 or a.shape[1] < width or a.shape[0] < n:
+            raise ValueError(f"rows[{r}]: need a 2-D uint8 array of at least {n} rows of "
+                             f"{width} contiguous bytes (kvstore.store.disk.row_buffers makes "
+                             f"one), got {getattr(a, 'shape', type(a).__name__)}")
+        if writable and not a.flags.writeable:
+            raise ValueError(f"rows[{r}] is read-only; reads need writable memory")
 
 
 def _row_addrs(arr: np.ndarray, idx) -> np.ndarray:

@@ -92,6 +92,13 @@ def test_rows_round_trip_without_copies_and_a_bad_block_ends_the_prefix(store):
     assert store.lookup(ks[3]) is None and store.get(ks[:3]).keys() == set(ks[:3])
     with pytest.raises(TypeError, match="payloads or rows"):
         store.put(ks, payload, rows=src)
+    # memory the ring would overrun is refused before any I/O
+    with pytest.raises(ValueError, match="at least 8 rows"):
+        store.get_into(ks, [r[:4] for r in dst])
+    with pytest.raises(ValueError, match="one array per rank"):
+        store.put(keys(2, b"x"), rows=src[:1])
+    with pytest.raises(ValueError, match="contiguous bytes"):
+        store.put(keys(2, b"x"), rows=[r[:, :100] for r in src])
     check_invariants(store)
 
 
