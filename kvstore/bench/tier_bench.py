@@ -402,16 +402,15 @@ def run(directory: str | None = None, chunk_sizes=DEFAULT_CHUNKS, size="1G", cap
             # a request's chunks must fit the primary with room for the ones in flight
             job = max(1, min(job_tokens // tokens, primary_b // chunk // 4))
             samples: dict = {s: [] for s in systems}
+            fio_load = min(primary_b // chunk, nchunks)   # what a load phase promotes
             for rnd in range(rounds):
                 for s in systems:
                     log(f"{tokens}-token chunks ({format_size(chunk)}), round {rnd + 1}/{rounds}: {s}")
-                    # the chunks a load phase promotes: what the primary holds
-                    nload = min(primary_b // chunk, nchunks)
                     if s == "fio":
-                        samples[s].append(_fio(directory, nchunks, nload, chunk, queue_depth))
+                        samples[s].append(_fio(directory, nchunks, fio_load, chunk, queue_depth))
                         continue
                     if s == "fio-slots":
-                        samples[s].append(_fio_slots(directory, nchunks, nload, chunk,
+                        samples[s].append(_fio_slots(directory, nchunks, fio_load, chunk,
                                                      queue_depth))
                         continue
                     run_ = TierRun(s, directory, tokens, primary_b, capacity_b, queue_depth,

@@ -50,11 +50,12 @@ def _keys(n: int) -> list[bytes]:
 
 def _fill_source(path: str, block: int, n: int) -> None:
     from kvstore.store.disk import DiskStore
+    from kvstore.tools.warmup import PART_BYTES
     lay = _layout(block)
     DiskStore.create(path, lay, (n + 64) * lay.slot_size).close()
     keys = _keys(n)
     payload = np.random.default_rng(1).integers(0, 256, block, dtype=np.uint8)
-    part = max(1, (64 << 20) // block)
+    part = max(1, PART_BYTES // block)
     with DiskStore(path, io=True) as s:
         for i in range(0, n, part):
             s.put(keys[i:i + part], lambda j, r: payload)
